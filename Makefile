@@ -1,0 +1,60 @@
+# ckpt_lab: the two commands of the README are `make lab` and `make test`; both set everything up first.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ckpt_lab-installed
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
+# JupyterLab refuses to start as root without --allow-root; with no display there is no browser to open.
+LAB_FLAGS := $(if $(filter 0,$(shell id -u)),--allow-root) \
+	$(if $(or $(DISPLAY),$(WAYLAND_DISPLAY),$(filter Darwin,$(shell uname -s))),,--no-browser)
+NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
+
+.PHONY: setup lab test lint unit nbval notebooks check-dot check-python clean
+
+## setup: a virtual environment in .venv with the pinned requirements and ckpt_lab (editable)
+setup: check-dot $(STAMP)
+
+check-dot:
+	@command -v dot >/dev/null 2>&1 || { \
+	  echo "Graphviz's 'dot' program is missing: torchviz needs it to draw autograd graphs. Install it with"; \
+	  echo "    sudo apt-get install graphviz      # Debian, Ubuntu"; \
+	  echo "    brew install graphviz              # macOS"; \
+	  echo "and run this command again."; exit 1; }
+
+check-python:
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "ckpt_lab needs Python >= 3.11; run: make PYTHON=/path/to/python3.11 ...")'
+
+$(STAMP): requirements.txt pyproject.toml | check-python
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	@touch $@
+
+## lab: set up, then open the notebooks in JupyterLab
+lab: setup
+	$(BIN)/jupyter trust $(NOTEBOOKS)
+	$(BIN)/jupyter lab --ServerApp.root_dir=notebooks $(LAB_FLAGS)
+
+## test: set up, then ruff, the unit tests and strict nbval over every notebook
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest tests $(NOTEBOOKS) $(NBVAL)
+
+lint: setup
+	$(BIN)/ruff check .
+
+unit: setup
+	$(BIN)/python -m pytest tests
+
+nbval: setup
+	$(BIN)/python -m pytest $(NOTEBOOKS) $(NBVAL)
+
+## notebooks: regenerate every notebook from its paired script, execute top to bottom, save with outputs
+notebooks: setup
+	cd notebooks && for py in src/[0-9]*.py; do ../$(BIN)/jupytext --quiet --to ipynb --update --output "$$(basename "$${py%.py}").ipynb" "$$py" || exit 1; done
+	CKPT_LAB_SAVE_IMAGES=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+	  --ExecutePreprocessor.kernel_name=python3 --ExecutePreprocessor.timeout=600 notebooks/[0-9]*.ipynb
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,26 @@
+"""ckpt_lab: activation checkpointing in PyTorch, built from first principles.
+
+The public API (names and signatures are stable):
+
+* ``reentrant_checkpoint(function, *args, preserve_rng_state=True)`` -- notebook 02
+* ``checkpoint(function, *args, preserve_rng_state=True, **kwargs)`` -- notebook 03
+* ``checkpoint_sequential(functions, segments, input, use_reentrant=False, preserve_rng_state=True)``
+* ``gradient_checkpoint_scope()`` -- notebook 04
+
+and the instruments every notebook measures with (notebook 01): ``LiveMemory``, ``measure_memory``,
+``SavedTensorLog``, ``CallCounter``, ``OpCounter``, ``count_flops``.
+"""
+
+from ckpt_lab.counting import CallCounter, OpCounter, count_flops
+from ckpt_lab.memory import LiveMemory, MemoryReport, measure_memory
+from ckpt_lab.saved import SavedTensorLog
+
+__all__ = [
+    "CallCounter",
+    "LiveMemory",
+    "MemoryReport",
+    "OpCounter",
+    "SavedTensorLog",
+    "count_flops",
+    "measure_memory",
+]

@@ -1,0 +1,115 @@
+"""Saved-tensor accounting: which tensors autograd keeps for backward while a region runs.
+
+Introduced in notebook 01; the hooks it is built on are the subject of notebook 03.
+
+Every time an op records a tensor for its backward (``mul`` keeps both factors, ``exp`` keeps its
+result, ``save_for_backward`` keeps what a custom Function asks for), autograd calls the innermost
+``saved_tensors_hooks`` pack hook. ``SavedTensorLog`` is such a hook that writes the tensor down and
+returns it unchanged.
+
+Bytes are counted per *storage*: two saved views of one buffer cost its bytes once.
+``nn.Parameter`` objects (and views of them, such as the ``weight.t()`` that ``Linear`` saves) are
+reported apart from activations: every strategy keeps them anyway.
+
+Blind spots: only the innermost hooks run, so tensors saved while another ``saved_tensors_hooks``
+is active inside the region (e.g. by ``ckpt_lab.checkpoint`` or ``torch.utils.checkpoint`` with
+``use_reentrant=False``) are not seen here; use ``ckpt_lab.memory.LiveMemory`` for those. Tensors a
+custom Function stores on ``ctx`` directly (``ctx.x = x``) bypass the hooks too.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+__all__ = ["SavedEntry", "SavedTensorLog"]
+
+
+@dataclass(frozen=True)
+class SavedEntry:
+    """One tensor saved for backward."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    storage_bytes: int
+    is_parameter: bool
+    first_of_storage: bool  # False if an earlier entry already saved the same storage
+
+
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    # Linear saves weight.t(), a view whose _base is the Parameter.
+    return isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+
+
+class SavedTensorLog(saved_tensors_hooks):
+    """A ``saved_tensors_hooks`` that logs what is saved and changes nothing.
+
+    >>> x = torch.randn(100, requires_grad=True)
+    >>> with SavedTensorLog() as log:
+    ...     y = x.sin().sin()           # each sin saves its input: x and x.sin()
+    >>> log.count, log.activation_bytes
+    (2, 800)
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[SavedEntry] = []
+        # Weak references to the storages seen, by id; the weakref tells a reused id from the same one.
+        self._storages: dict[int, weakref.ref] = {}
+        super().__init__(self._pack, self._unpack)
+
+    def __enter__(self) -> SavedTensorLog:
+        super().__enter__()
+        return self
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        seen = self._storages.get(id(storage))
+        first = seen is None or seen() is not storage
+        if first:
+            self._storages[id(storage)] = weakref.ref(storage)
+        self.entries.append(
+            SavedEntry(
+                shape=tuple(tensor.shape),
+                dtype=tensor.dtype,
+                storage_bytes=storage.nbytes(),
+                is_parameter=_is_parameter(tensor),
+                first_of_storage=first,
+            )
+        )
+        # Returning the tensor itself keeps autograd's behaviour; see notebook 03 for what else a
+        # pack hook can return.
+        return tensor
+
+    @staticmethod
+    def _unpack(tensor: Any) -> torch.Tensor:
+        return tensor
+
+    # ---------------------------------------------------------------- summaries
+    @property
+    def count(self) -> int:
+        """Number of saved activations (saves, not storages; parameters excluded)."""
+        return sum(not e.is_parameter for e in self.entries)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of the distinct storages of saved activations."""
+        return sum(e.storage_bytes for e in self.entries if e.first_of_storage and not e.is_parameter)
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(e.is_parameter for e in self.entries)
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(e.storage_bytes for e in self.entries if e.first_of_storage and e.is_parameter)
+
+    def summary(self) -> str:
+        """One line, stable on any machine: counts and bytes."""
+        return (
+            f"saved activations: {self.count} tensors, {self.activation_bytes} bytes; "
+            f"parameters: {self.parameter_count} tensors, {self.parameter_bytes} bytes"
+        )
