@@ -51,10 +51,12 @@ nbval: setup
 	$(BIN)/python -m pytest $(NOTEBOOKS) $(NBVAL)
 
 ## notebooks: regenerate every notebook from its paired script, execute top to bottom, save with outputs
+## (one notebook: make notebooks NB=02 -- any prefix of its name)
+NB ?= [0-9]
 notebooks: setup
-	cd notebooks && for py in src/[0-9]*.py; do ../$(BIN)/jupytext --quiet --to ipynb --update --output "$$(basename "$${py%.py}").ipynb" "$$py" || exit 1; done
+	cd notebooks && for py in src/$(NB)*.py; do ../$(BIN)/jupytext --quiet --to ipynb --update --output "$$(basename "$${py%.py}").ipynb" "$$py" || exit 1; done
 	CKPT_LAB_SAVE_IMAGES=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
-	  --ExecutePreprocessor.kernel_name=python3 --ExecutePreprocessor.timeout=600 notebooks/[0-9]*.ipynb
+	  --ExecutePreprocessor.kernel_name=python3 --ExecutePreprocessor.timeout=600 notebooks/$(NB)*.ipynb
 
 clean:
 	rm -rf $(VENV)

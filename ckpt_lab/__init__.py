@@ -13,7 +13,9 @@ and the instruments every notebook measures with (notebook 01): ``LiveMemory``, 
 
 from ckpt_lab.counting import CallCounter, OpCounter, count_flops
 from ckpt_lab.memory import LiveMemory, MemoryReport, measure_memory
+from ckpt_lab.reentrant import reentrant_checkpoint
 from ckpt_lab.saved import SavedTensorLog
+from ckpt_lab.sequential import checkpoint_sequential
 
 __all__ = [
     "CallCounter",
@@ -21,6 +23,8 @@ __all__ = [
     "MemoryReport",
     "OpCounter",
     "SavedTensorLog",
+    "checkpoint_sequential",
     "count_flops",
     "measure_memory",
+    "reentrant_checkpoint",
 ]
