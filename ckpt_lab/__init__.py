@@ -13,16 +13,19 @@ and the instruments every notebook measures with (notebook 01): ``LiveMemory``, 
 
 from ckpt_lab.counting import CallCounter, OpCounter, count_flops
 from ckpt_lab.memory import LiveMemory, MemoryReport, measure_memory
+from ckpt_lab.nonreentrant import CheckpointError, checkpoint
 from ckpt_lab.reentrant import reentrant_checkpoint
 from ckpt_lab.saved import SavedTensorLog
 from ckpt_lab.sequential import checkpoint_sequential
 
 __all__ = [
     "CallCounter",
+    "CheckpointError",
     "LiveMemory",
     "MemoryReport",
     "OpCounter",
     "SavedTensorLog",
+    "checkpoint",
     "checkpoint_sequential",
     "count_flops",
     "measure_memory",

@@ -4,6 +4,9 @@ Same segment rule as ``torch.utils.checkpoint.checkpoint_sequential``: split the
 chunks of ``n // segments``; checkpoint the first ``segments - 1`` chunks and run the rest (the last
 chunk, which absorbs the remainder) normally, since its activations are needed right away by the
 backward pass anyway. Only the input of each checkpointed chunk stays alive between forward and backward.
+
+Introduced in notebook 02 (with the reentrant checkpoint); the default, non-reentrant variant is
+the subject of notebook 03.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ckpt_lab.nonreentrant import checkpoint as nonreentrant_checkpoint
 from ckpt_lab.reentrant import reentrant_checkpoint
 
 __all__ = ["checkpoint_sequential"]
@@ -49,18 +53,7 @@ def checkpoint_sequential(
             f"checkpoint_sequential: segments must be an int with 1 <= segments <= len(functions) "
             f"= {len(functions)}, got {segments!r}"
         )
-    if use_reentrant:
-        checkpoint = reentrant_checkpoint
-    else:
-        # Imported here, not at module level: the non-reentrant variant lives in its own module and
-        # this one must stay usable without it.
-        try:
-            from ckpt_lab.nonreentrant import checkpoint
-        except ImportError as error:
-            raise NotImplementedError(
-                "checkpoint_sequential(use_reentrant=False) needs ckpt_lab.nonreentrant.checkpoint, "
-                "which could not be imported; pass use_reentrant=True to use the reentrant variant."
-            ) from error
+    checkpoint = reentrant_checkpoint if use_reentrant else nonreentrant_checkpoint
 
     segment_size = len(functions) // segments
     # Checkpointed chunks: [0, s), [s, 2s), ..., up to (segments - 1) * s.

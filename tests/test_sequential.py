@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -15,13 +13,7 @@ from torch.utils.checkpoint import checkpoint_sequential as torch_checkpoint_seq
 from ckpt_lab.counting import CallCounter
 from ckpt_lab.sequential import checkpoint_sequential
 
-HAS_NONREENTRANT = importlib.util.find_spec("ckpt_lab.nonreentrant") is not None
-USE_REENTRANT = [
-    True,
-    pytest.param(
-        False, marks=pytest.mark.skipif(not HAS_NONREENTRANT, reason="ckpt_lab.nonreentrant not written yet")
-    ),
-]
+USE_REENTRANT = [True, False]
 
 
 def make_layers(seed: int = 0) -> list[nn.Module]:
@@ -142,15 +134,6 @@ def test_module_used_twice_in_a_sequential() -> None:
 def test_invalid_segments(segments: Any) -> None:
     with pytest.raises(ValueError, match=r"1 <= segments <= len\(functions\) = 7"):
         checkpoint_sequential(make_layers(), segments, torch.randn(2, 8), use_reentrant=True)
-
-
-def test_missing_nonreentrant_module_raises_not_implemented(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A None entry in sys.modules makes ``import`` raise ImportError.
-    monkeypatch.setitem(sys.modules, "ckpt_lab.nonreentrant", None)
-    with pytest.raises(NotImplementedError, match="use_reentrant=True"):
-        checkpoint_sequential(
-            [torch.sin, torch.cos], 2, torch.randn(3, requires_grad=True), use_reentrant=False
-        )
 
 
 def test_preserve_rng_state_false_changes_dropout_grads() -> None:
