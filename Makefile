@@ -12,8 +12,10 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cf
 
 .PHONY: setup lab test lint unit nbval notebooks check-dot check-python clean
 
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.json
+
 ## setup: a virtual environment in .venv with the pinned requirements and ckpt_lab (editable)
-setup: check-dot $(STAMP)
+setup: check-dot $(STAMP) $(LAB_SETTINGS)
 
 check-dot:
 	@command -v dot >/dev/null 2>&1 || { \
@@ -30,6 +32,11 @@ $(STAMP): requirements.txt pyproject.toml | check-python
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $@
+
+# JupyterLab asks every new user whether to fetch news from the internet; answer no for them.
+$(LAB_SETTINGS): $(STAMP)
+	@mkdir -p $(dir $@)
+	@echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' > $@
 
 ## lab: set up, then open the notebooks in JupyterLab
 lab: setup

@@ -222,6 +222,9 @@ def checkpoint(
     Like ``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)``.
     ``preserve_rng_state=False`` skips the RNG snapshot: only safe if ``function`` draws no random
     numbers (no dropout), or if different ones in the recomputation are acceptable.
+    Containers among the arguments (lists, tuples, dicts) are rebuilt for the recomputation from
+    their contents at call time, so the re-run sees them as the forward did even if the caller
+    mutated them since; torch passes the caller's objects again.
     """
     if not torch.is_grad_enabled():
         # No graph will be built, so there is nothing to save and nothing to recompute.

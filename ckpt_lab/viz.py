@@ -96,10 +96,15 @@ def plot_memory_bars(ax: Any, values: Mapping[str, int], title: str = "", unit: 
     ax.margins(x=0.2)
 
 
-def plot_timeline(ax: Any, mem: Any, label: str, unit: int = 1024) -> None:
-    """Live bytes after each allocation or free recorded by a ``LiveMemory``, forward then backward."""
+def plot_timeline(ax: Any, mem: Any, label: str, unit: int = 1024, exclude: set[int] | None = None) -> None:
+    """Live bytes after each allocation or free recorded by a ``LiveMemory``, forward then backward.
+
+    ``exclude``: serials to leave out, e.g. ``mem.born_in("backward")`` for the gradients, so that
+    the curve's maximum is ``MemoryReport.peak_bytes``.
+    """
     live, xs, ys = 0, [], []
-    for i, (serial, sign, _) in enumerate(mem.events):
+    events = [e for e in mem.events if not exclude or e[0] not in exclude]
+    for i, (serial, sign, _) in enumerate(events):
         live += sign * mem._nbytes[serial]
         xs.append(i)
         ys.append(live / unit)

@@ -626,3 +626,22 @@ def test_cuda_device_change_raises() -> None:
     loss = checkpoint(fn, torch.randn(3, device="cuda", requires_grad=True))
     with pytest.raises(CheckpointError, match=r"device=cuda:0.*device=cpu"):
         loss.backward()
+
+
+def test_containers_are_rebuilt_for_the_recomputation() -> None:
+    # Documented difference from torch: the re-run gets the argument list as it was at call time.
+    def appends_to(x: torch.Tensor, seen: list) -> torch.Tensor:
+        seen.append(len(seen))
+        return x.sin() * len(seen)
+
+    ours_seen: list = []
+    x = torch.randn(3, requires_grad=True)
+    checkpoint(appends_to, x, ours_seen).sum().backward()
+    ours = x.grad
+    assert ours_seen == [0]  # the recomputation appended to a rebuilt copy
+    x.grad = None
+    torch_seen: list = []
+    torch.utils.checkpoint.checkpoint(appends_to, x, torch_seen, use_reentrant=False).sum().backward()
+    assert torch_seen == [0, 1]  # torch passed the caller's list again, which had changed
+    plain = torch.autograd.grad(x.sin().sum() * 1, x)[0]
+    assert torch.equal(ours, plain)  # ours recomputes what the forward computed
