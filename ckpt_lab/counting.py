@@ -82,6 +82,9 @@ def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
 
     Only matmul-like ops (mm, bmm, convolution, attention) are counted; pointwise ops count 0.
     Run it in its own pass, never while measuring memory: its module hooks keep tensors alive.
+    Blind spot: torch's counter fails under ``torch.autograd.grad`` with respect to leaves
+    ("A leaf node was passed to _will_engine_execute_node"); count ``.backward()`` there, or use
+    ``OpCounter``.
     """
     with FlopCounterMode(display=False) as counter:
         fn(*args, **kwargs)

@@ -62,6 +62,7 @@ class LiveMemory(TorchDispatchMode):
         self.events: list[tuple[int, int, str]] = []
         self.phase = "forward"
         self.marks: dict[str, int] = {}
+        self.closed = False
 
     # ---------------------------------------------------------------- recording
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -82,10 +83,16 @@ class LiveMemory(TorchDispatchMode):
         # The finalizer holds no reference to the storage; it fires when the storage is freed.
         weakref.finalize(storage, self._freed, key, serial)
 
+    def __exit__(self, *args: Any) -> Any:
+        # Frees after the region still update ``live_bytes`` but no longer extend the timeline.
+        self.closed = True
+        return super().__exit__(*args)
+
     def _freed(self, key: int, serial: int) -> None:
         if self._live.get(key) == serial:
             del self._live[key]
-        self.events.append((serial, -1, self.phase))
+        if not self.closed:
+            self.events.append((serial, -1, self.phase))
 
     # ---------------------------------------------------------------- reading
     @property

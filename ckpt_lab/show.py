@@ -8,6 +8,7 @@ and fails if the module changed but the notebook was not re-run: what the reader
 from __future__ import annotations
 
 import inspect
+import textwrap
 from typing import Any
 
 __all__ = ["Source", "show_source"]
@@ -39,4 +40,5 @@ def show_source(obj: Any, start: str | None = None, stop: str | None = None) -> 
     where = module.__name__ if module is not None else "?"
     name = getattr(obj, "__qualname__", None)
     title = where if name is None or inspect.ismodule(obj) else f"{where}.{name}"
-    return Source("\n".join(lines).rstrip(), title)
+    # A slice of a method keeps its class-body indentation; show it flush left.
+    return Source(textwrap.dedent("\n".join(lines)).rstrip(), title)
