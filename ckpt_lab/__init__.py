@@ -16,6 +16,7 @@ from ckpt_lab.memory import LiveMemory, MemoryReport, measure_memory
 from ckpt_lab.nonreentrant import CheckpointError, checkpoint
 from ckpt_lab.reentrant import reentrant_checkpoint
 from ckpt_lab.saved import SavedTensorLog
+from ckpt_lab.scope import gradient_checkpoint_scope
 from ckpt_lab.sequential import checkpoint_sequential
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_sequential",
     "count_flops",
+    "gradient_checkpoint_scope",
     "measure_memory",
     "reentrant_checkpoint",
 ]
