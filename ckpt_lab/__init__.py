@@ -7,6 +7,9 @@ The public API (names and signatures are stable):
 * ``checkpoint_sequential(functions, segments, input, use_reentrant=False, preserve_rng_state=True)``
 * ``gradient_checkpoint_scope()`` -- notebook 04
 
+Beside them: ``ckpt_lab.distributed`` (DDP and FSDP on CPU, notebook 06; not imported here because
+it pulls in ``torch.distributed.fsdp``) and ``python -m ckpt_lab.bench`` (the benchmark).
+
 and the instruments every notebook measures with (notebook 01): ``LiveMemory``, ``measure_memory``,
 ``SavedTensorLog``, ``CallCounter``, ``OpCounter``, ``count_flops``.
 """
