@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["AutocastState", "RNGState", "ReplayState", "fork_rng", "tensor_devices"]
+__all__ = ["AutocastState", "RNGState", "ReplayState", "device_initialised", "fork_rng", "tensor_devices"]
 
 
 def tensor_devices(*args: Any) -> list[torch.device]:
@@ -36,7 +36,7 @@ def tensor_devices(*args: Any) -> list[torch.device]:
     return devices
 
 
-def _initialised(device_type: str) -> bool:
+def device_initialised(device_type: str) -> bool:
     """Whether the device module is already initialised (asking for its RNG state would otherwise
     initialise it, which for CUDA means creating a context: seconds and hundreds of MiB)."""
     module = torch.get_device_module(device_type)
@@ -61,7 +61,7 @@ class RNGState:
         for device in devices:
             # Never initialise CUDA by accident: an uninitialised device has drawn no numbers yet,
             # and if the function initialises it, its seed-derived state is what it would get anyway.
-            if _initialised(device.type):
+            if device_initialised(device.type):
                 module = torch.get_device_module(device.type)
                 states.append((device, module.get_rng_state(device)))
         return cls(cpu=torch.get_rng_state(), devices=tuple(states))

@@ -86,7 +86,7 @@ from torch._C._autograd import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckpt_lab.nonreentrant import CheckpointError
-from ckpt_lab.rng import AutocastState, ReplayState, RNGState, _initialised
+from ckpt_lab.rng import AutocastState, ReplayState, RNGState, device_initialised
 
 __all__ = ["gradient_checkpoint_scope"]
 
@@ -503,7 +503,7 @@ class _Recording:
             self.hooks.forget(self)
 
     def _add_accelerators_initialised_inside(self) -> None:
-        if self.uninitialised is None or self.state.rng is None or not _initialised(self.uninitialised):
+        if self.uninitialised is None or self.state.rng is None or not device_initialised(self.uninitialised):
             return
         # The device was initialised inside the scope, so its generators started from their seeds.
         fresh = _seeded_states(self.uninitialised)
@@ -647,7 +647,7 @@ def _capture_replay_state(preserve_rng_state: bool) -> tuple[ReplayState, str | 
     devices: list[torch.device] = []
     uninitialised = None
     if accelerator is not None:
-        if _initialised(accelerator.type):
+        if device_initialised(accelerator.type):
             # We can't know which devices the scope will draw from: capturing all costs a few µs each.
             devices = [torch.device(accelerator.type, i) for i in range(torch.accelerator.device_count())]
         else:
