@@ -22,6 +22,7 @@ blocks whose inputs don't require grad all just work.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections.abc import Callable
@@ -97,9 +98,18 @@ _TENSOR = object()
 class _Frame:
     """Everything one checkpointed call keeps between its forward and its backward(s)."""
 
-    def __init__(self, function: Callable[..., Any], args: tuple, kwargs: dict, replay: ReplayState) -> None:
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        replay: ReplayState,
+        recompute_context: contextlib.AbstractContextManager | None = None,
+    ) -> None:
         self.function = function
         self.replay = replay
+        # Entered around every re-run; selective checkpointing (notebook 05) serves saved ops from it.
+        self.recompute_context = recompute_context or contextlib.nullcontext()
         # Flatten args and kwargs together, so tensors inside lists or dicts are saved like the rest.
         leaves, self.spec = tree_flatten((args, kwargs))
         self.leaves = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
@@ -204,7 +214,12 @@ def _recompute(frame: _Frame, task: int) -> None:
     args, kwargs = frame.inputs()
     try:
         # Grad mode on (backward runs with it off), or the ops would save nothing for us to capture.
-        with frame.replay.replay(), torch.enable_grad(), saved_tensors_hooks(pack, lambda value: value):
+        with (
+            frame.replay.replay(),
+            torch.enable_grad(),
+            saved_tensors_hooks(pack, lambda value: value),
+            frame.recompute_context,
+        ):
             frame.function(*args, **kwargs)
     except _StopRecomputation:
         return
@@ -226,12 +241,26 @@ def checkpoint(
     their contents at call time, so the re-run sees them as the forward did even if the caller
     mutated them since; torch passes the caller's objects again.
     """
+    return _checkpoint(function, args, kwargs, preserve_rng_state=preserve_rng_state)
+
+
+def _checkpoint(
+    function: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    *,
+    preserve_rng_state: bool,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+) -> Any:
+    """``checkpoint``, plus torch's ``context_fn``: a pair of context managers entered around the
+    forward and around each recomputation (selective checkpointing, notebook 05, plugs in here)."""
     if not torch.is_grad_enabled():
         # No graph will be built, so there is nothing to save and nothing to recompute.
         return function(*args, **kwargs)
+    forward_context, recompute_context = context_fn() if context_fn else (contextlib.nullcontext(), None)
     # Snapshot RNG and autocast before the block draws its first random number.
     replay = ReplayState.capture(args, kwargs, preserve_rng_state=preserve_rng_state)
     # Built (and its inputs saved) before our hooks are installed, so they don't swallow the inputs.
-    frame = _Frame(function, args, kwargs, replay)
-    with saved_tensors_hooks(_pack_to_handle(frame), _unpack_from_handle(frame)):
+    frame = _Frame(function, args, kwargs, replay, recompute_context)
+    with saved_tensors_hooks(_pack_to_handle(frame), _unpack_from_handle(frame)), forward_context:
         return function(*args, **kwargs)

@@ -1,0 +1,516 @@
+"""An eager memory-budget planner: profile every op once, then choose which outputs to keep.
+
+Introduced in notebook 05. torch has a memory-budget solver only under ``torch.compile``
+(``torch._functorch.config.activation_memory_budget``); this one works in eager mode on top of
+``ckpt_lab.selective`` and is small enough to read in one sitting:
+
+1. **profile** (``profile``): run the function once under a ``TorchDispatchMode`` and note, for every
+   op the selective policy will be asked about, the bytes of new memory its output owns and what it
+   costs to compute again (FLOPs by default, measured seconds with ``cost="time"``), and how far a
+   recomputation runs (the non-reentrant checkpoint stops after the op whose output is the last
+   tensor autograd saved: ops after it are never recomputed, so keeping them buys nothing).
+2. **solve**: keeping op *i* costs ``nbytes[i]`` of retained memory and saves ``cost[i]`` of
+   recomputation. Under a budget that is a 0/1 knapsack: ``solve_greedy`` takes the best cost per
+   byte first, ``solve_dp`` is the exact dynamic program over bytes (in units of their greatest
+   common divisor), ``solve_brute_force`` tries every subset (for tests, up to 20 candidates).
+3. **run** (``Plan``): one ``selective_checkpoint`` per region, with a policy that saves exactly the
+   chosen ops (by position) and checks that the function still runs the ops it was profiled with.
+
+What the model leaves out, and how this relates to the literature (notebook 05 says more):
+
+* it counts memory *retained between forward and backward*, not the peak during backward. Checkmate
+  (Jain et al. 2020) schedules the whole training step with an integer program and bounds the peak;
+* the plan is made once, ahead of time, for fixed shapes. DTR (Kirisame et al. 2021) decides at run
+  time, evicting the tensor with the smallest cost / (bytes x staleness); ``solve_greedy`` is that
+  heuristic without staleness, applied once instead of online.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
+from torch.utils.flop_counter import flop_registry
+
+from ckpt_lab.nonreentrant import CheckpointError
+from ckpt_lab.selective import RECOMPUTE, SAVE, Decision, must_rerun, selective_checkpoint
+
+__all__ = [
+    "CostCounter",
+    "OpRecord",
+    "Plan",
+    "PlanPolicy",
+    "Profile",
+    "frontier",
+    "op_cost",
+    "plan",
+    "plan_sequential",
+    "profile",
+    "solve_brute_force",
+    "solve_dp",
+    "solve_greedy",
+]
+
+
+# ----------------------------------------------------------------------------------------- costs
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _storage_keys(tensors: Sequence[torch.Tensor]) -> set[int]:
+    return {t.untyped_storage()._cdata for t in tensors if t.layout == torch.strided}
+
+
+def op_cost(op: Any, args: Any, kwargs: Any, out: Any) -> int:
+    """FLOPs of one op: torch's count for matmul-like ops, one per output element for the rest.
+
+    torch.utils.flop_counter counts only matmuls, convolutions and attention; a planner that took
+    pointwise ops as free would never keep one, however large. Views and ignored ops cost 0.
+    """
+    if op in SAC_IGNORED_OPS:
+        return 0
+    packet = op.overloadpacket
+    if packet in flop_registry:
+        return int(flop_registry[packet](*args, **kwargs, out_val=out))
+    outputs = _tensors(out)
+    # A non-mutating op whose output shares an input's storage is a view: no arithmetic.
+    if not op._schema.is_mutable and _storage_keys(outputs) & _storage_keys(_tensors((args, kwargs))):
+        return 0
+    return sum(t.numel() for t in outputs)
+
+
+class CostCounter(TorchDispatchMode):
+    """Sum ``op_cost`` over every op run while active (forward, backward and recomputation alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.total += op_cost(func, args, kwargs, out)
+        return out
+
+
+# ---------------------------------------------------------------------------------------- profile
+@dataclass(frozen=True)
+class OpRecord:
+    """One op of the profiled forward, at the position the selective policy will see it."""
+
+    index: int
+    op: Any
+    # Bytes of new storage its outputs own; 0 for views, in-place ops and the region's own output
+    # (the caller, or the next region's checkpoint, keeps that alive anyway).
+    nbytes: int
+    # What computing it again costs (FLOPs, or seconds with cost="time").
+    cost: float
+    # In-place, view or random: runs again in every recomputation, whatever the plan says.
+    rerun: bool
+    # A later in-place op modifies its output (``empty_like`` before ``bernoulli_``): a kept copy
+    # would not be the op's output any more, so it is recomputed.
+    mutated: bool
+    # A recomputation reaches it (it is at or before the op that produced the last saved tensor).
+    reached: bool
+
+    @property
+    def candidate(self) -> bool:
+        """Could keeping it change anything? Only if it is recomputed otherwise, and costs something."""
+        return self.reached and not self.rerun and not self.mutated and self.cost > 0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A function's ops as profiled once, plus the bytes of its tensor inputs (which it must keep)."""
+
+    function: Callable[..., Any]
+    ops: tuple[OpRecord, ...]
+    input_bytes: int
+    cost_unit: str
+
+    @property
+    def candidates(self) -> list[OpRecord]:
+        return [r for r in self.ops if r.candidate]
+
+    def recompute_cost(self, saved: frozenset[int]) -> float:
+        """Cost of one recomputation that serves the ops in ``saved`` from memory."""
+        return sum(r.cost for r in self.ops if r.reached and (not r.candidate or r.index not in saved))
+
+    def saved_bytes(self, saved: frozenset[int]) -> int:
+        return sum(self.ops[i].nbytes for i in saved)
+
+
+class _ProfileMode(TorchDispatchMode):
+    """Record what ``OpRecord`` needs for every op the policy would be asked about."""
+
+    def __init__(self, cost: str, repeats: int) -> None:
+        super().__init__()
+        self.cost, self.repeats = cost, repeats
+        self.rows: list[tuple[Any, int, float, bool, set[int]]] = []
+        # Which op made each storage (the latest one with that key), and the ops whose output a
+        # later in-place op modified.
+        self.maker: dict[int, int] = {}
+        self.mutated: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # The same ops the selective policy skips, so positions line up with it.
+        if func in SAC_IGNORED_OPS:
+            return out
+        rerun = must_rerun(func, args, kwargs, out)
+        outputs = _tensors(out)
+        new = _storage_keys(outputs) - _storage_keys(_tensors((args, kwargs)))
+        nbytes = sum(t.untyped_storage().nbytes() for t in _unique_storages(outputs) if _key(t) in new)
+        cost: float = op_cost(func, args, kwargs, out)
+        if self.cost == "time" and not rerun:
+            cost = _seconds(func, args, kwargs, self.repeats)
+        for tensor in _written_args(func, args, kwargs):
+            if _key(tensor) in self.maker:
+                self.mutated.add(self.maker[_key(tensor)])
+        for key in new:
+            self.maker[key] = len(self.rows)
+        self.rows.append((func, nbytes, cost, rerun, new))
+        return out
+
+
+def _written_args(op: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensor arguments an op writes to (``self`` of ``add_``, ``out=`` arguments)."""
+    written = []
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = kwargs[argument.name] if argument.name in kwargs else args[i] if i < len(args) else None
+        written += [t for t in _tensors(value) if t.layout == torch.strided]
+    return written
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _unique_storages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if t.layout == torch.strided:
+            seen.setdefault(_key(t), t)
+    return list(seen.values())
+
+
+def _seconds(func: Any, args: Any, kwargs: Any, repeats: int) -> float:
+    """Median wall time of running a functional op again (on CUDA, synchronised)."""
+    cuda = any(t.is_cuda for t in _tensors((args, kwargs)))
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        func(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def profile(
+    function: Callable[..., Any], *args: Any, cost: str = "flops", repeats: int = 5, **kwargs: Any
+) -> Profile:
+    """Run ``function(*args, **kwargs)`` once (with grad) and record each op's bytes and cost.
+
+    ``cost="flops"`` is exact and the same on every machine; ``cost="time"`` times each op
+    ``repeats`` more times (noisy, machine-dependent, but it sees memory-bound ops as they are).
+    """
+    if cost not in ("flops", "time"):
+        raise ValueError(f"profile: cost must be 'flops' or 'time', not {cost!r}.")
+    mode = _ProfileMode(cost, repeats)
+    # The index of the op that produced the last tensor autograd saved: a recomputation stops there.
+    last_pack = [-1]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        last_pack[0] = len(mode.rows) - 1
+        return tensor
+
+    # The RNG is forked so profiling leaves the caller's random stream where it was.
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        with saved_tensors_hooks(pack, lambda t: t), mode:
+            out = function(*args, **kwargs)
+    # The ops that made the returned tensors. By the latest maker of each storage key: the key is an
+    # address, and an address freed earlier in the forward may have been reused.
+    returned = {mode.maker[key] for key in _storage_keys(_tensors(out)) if key in mode.maker}
+    inputs = _unique_storages(_tensors((args, kwargs)))
+    ops = tuple(
+        OpRecord(
+            index=i,
+            op=func,
+            nbytes=0 if i in returned else nbytes,
+            cost=cost_i,
+            rerun=rerun,
+            mutated=i in mode.mutated,
+            reached=i <= last_pack[0],
+        )
+        for i, (func, nbytes, cost_i, rerun, new) in enumerate(mode.rows)
+    )
+    input_bytes = sum(t.untyped_storage().nbytes() for t in inputs)
+    return Profile(function, ops, input_bytes, "FLOPs" if cost == "flops" else "seconds")
+
+
+# ----------------------------------------------------------------------------------------- solvers
+# A knapsack item: (key, bytes it costs to keep, recompute cost it saves).
+Item = tuple[Any, int, float]
+
+
+def _free_and_rest(items: Sequence[Item]) -> tuple[list[Item], list[Item]]:
+    # Items that cost no memory are always worth keeping; items that save nothing never are.
+    free = [it for it in items if it[1] == 0 and it[2] > 0]
+    rest = [it for it in items if it[1] > 0 and it[2] > 0]
+    return free, rest
+
+
+def solve_greedy(items: Sequence[Item], capacity: int) -> set[Any]:
+    """Keep items in order of cost saved per byte while they fit (DTR's heuristic, offline)."""
+    free, rest = _free_and_rest(items)
+    chosen = {key for key, _, _ in free}
+    left = capacity
+    # Best cost per byte first; ties: the smaller item, then the earlier one (deterministic).
+    for key, nbytes, _cost in sorted(rest, key=lambda it: (-it[2] / it[1], it[1])):
+        if nbytes <= left:
+            chosen.add(key)
+            left -= nbytes
+    return chosen
+
+
+def solve_dp(items: Sequence[Item], capacity: int, max_cells: int = 200_000_000) -> set[Any]:
+    """The exact 0/1 knapsack: the most recompute cost saved within ``capacity`` bytes.
+
+    A dynamic program over bytes, counted in units of the greatest common divisor of the items'
+    sizes (tensor sizes share large factors, so the table stays small). ``O(items x capacity/gcd)``.
+    """
+    free, rest = _free_and_rest(items)
+    chosen = {key for key, _, _ in free}
+    if not rest:
+        return chosen
+    unit = math.gcd(*(nbytes for _, nbytes, _ in rest))
+    weights = [nbytes // unit for _, nbytes, _ in rest]
+    # Nothing can use more than all items together.
+    cap = min(capacity // unit, sum(weights))
+    if len(rest) * (cap + 1) > max_cells:
+        raise ValueError(
+            f"solve_dp: {len(rest)} items x {cap + 1} capacity steps is too large a table for the exact "
+            "program; use method='greedy' (or plan fewer, larger regions)."
+        )
+    # best[c]: the most cost saved using at most c units; take[i, c]: item i is in that choice.
+    best = np.zeros(cap + 1)
+    take = np.zeros((len(rest), cap + 1), dtype=bool)
+    for i, ((_, _, cost), w) in enumerate(zip(rest, weights, strict=False)):
+        if w > cap:
+            continue
+        candidate = best[: cap + 1 - w] + cost
+        better = candidate > best[w:]
+        take[i, w:] = better
+        best[w:] = np.where(better, candidate, best[w:])
+    # Walk back from the full capacity to read off the choice.
+    c = cap
+    for i in range(len(rest) - 1, -1, -1):
+        if take[i, c]:
+            chosen.add(rest[i][0])
+            c -= weights[i]
+    return chosen
+
+
+def solve_brute_force(items: Sequence[Item], capacity: int, limit: int = 20) -> set[Any]:
+    """Try every subset (ties: the fewest bytes, then the first found). For checking the others."""
+    free, rest = _free_and_rest(items)
+    if len(rest) > limit:
+        raise ValueError(
+            f"solve_brute_force: {len(rest)} items means 2**{len(rest)} subsets; at most {limit}."
+        )
+    best: tuple[float, int, tuple[Item, ...]] = (0.0, 0, ())
+    for size in range(len(rest) + 1):
+        for subset in itertools.combinations(rest, size):
+            nbytes = sum(it[1] for it in subset)
+            cost = sum(it[2] for it in subset)
+            if nbytes <= capacity and (cost > best[0] or (cost == best[0] and nbytes < best[1])):
+                best = (cost, nbytes, subset)
+    return {key for key, _, _ in free} | {key for key, _, _ in best[2]}
+
+
+_SOLVERS: dict[str, Callable[[Sequence[Item], int], set[Any]]] = {
+    "greedy": solve_greedy,
+    "dp": solve_dp,
+    "brute-force": solve_brute_force,
+}
+
+
+# ------------------------------------------------------------------------------------------- plans
+class PlanPolicy:
+    """A selective policy that saves the ops at the planned positions, for one checkpointed call.
+
+    It counts the ops it is asked about, so make a fresh one per call (``Plan.policy``). Works with
+    ``ckpt_lab.selective_checkpoint`` and with torch's ``create_selective_checkpoint_contexts``.
+    """
+
+    def __init__(self, profile: Profile, saved: frozenset[int]) -> None:
+        self.profile, self.saved = profile, saved
+        self.position = itertools.count()
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        index = next(self.position)
+        ops = self.profile.ops
+        expected = ops[index].op if index < len(ops) else None
+        if op is not expected:
+            what = f"{expected}" if expected is not None else f"nothing (the profile has {len(ops)} ops)"
+            raise CheckpointError(
+                f"plan: op {index} is {op}, but when the plan was made it was {what}. The plan was made "
+                "for another computation (other shapes, branches, or train/eval mode), or this policy "
+                "object was used for a second call: make a fresh policy per call with plan.policy(), and "
+                "a new plan when the computation changes."
+            )
+        return SAVE if index in self.saved else RECOMPUTE
+
+    def torch_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        """The same decisions as torch's ``CheckpointPolicy`` (MUST_SAVE / PREFER_RECOMPUTE)."""
+        decision = self(ctx, op, *args, **kwargs)
+        return CheckpointPolicy.MUST_SAVE if decision is SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which ops to keep, per region (one region per checkpointed call), and what that predicts."""
+
+    profiles: tuple[Profile, ...]
+    saved: tuple[frozenset[int], ...]
+    budget: int
+    method: str
+
+    @property
+    def retained_bytes(self) -> int:
+        """Predicted: every region's inputs plus the outputs it keeps."""
+        return sum(p.input_bytes + p.saved_bytes(s) for p, s in zip(self.profiles, self.saved, strict=False))
+
+    @property
+    def recompute_cost(self) -> float:
+        """Predicted cost of the recomputations in one backward (FLOPs, or seconds)."""
+        return sum(p.recompute_cost(s) for p, s in zip(self.profiles, self.saved, strict=False))
+
+    @property
+    def saved_ops(self) -> list[str]:
+        """The kept ops by name, in order, e.g. ``['mm', 'mm', 'relu']`` (for printing)."""
+        names = []
+        for p, s in zip(self.profiles, self.saved, strict=False):
+            names += [p.ops[i].op.overloadpacket.__name__ for i in sorted(s)]
+        return names
+
+    def policy(self, region: int = 0) -> PlanPolicy:
+        """A fresh policy for one call of region ``region``."""
+        return PlanPolicy(self.profiles[region], self.saved[region])
+
+    def __call__(self, *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
+        """Run the planned function(s): one region takes the profiled arguments; a chain of regions
+        (``plan_sequential``) takes one input and feeds each region's output to the next."""
+        if len(self.profiles) == 1:
+            function = self.profiles[0].function
+            return selective_checkpoint(
+                function, *args, policy=self.policy(0), preserve_rng_state=preserve_rng_state, **kwargs
+            )
+        (x,) = args
+        for region, p in enumerate(self.profiles):
+            x = selective_checkpoint(
+                p.function, x, policy=self.policy(region), preserve_rng_state=preserve_rng_state
+            )
+        return x
+
+    def torch_context_fn(self, region: int = 0) -> Callable[[], Any]:
+        """The same plan for ``torch.utils.checkpoint.checkpoint(..., context_fn=...)``."""
+
+        def context_fn() -> Any:
+            return torch.utils.checkpoint.create_selective_checkpoint_contexts(
+                self.policy(region).torch_policy
+            )
+
+        return context_fn
+
+
+def _check_budget(budget: int, minimum: int) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+        raise TypeError(f"plan: budget must be a number of bytes (int), not {budget!r}.")
+    if budget < minimum:
+        raise ValueError(
+            f"plan: a budget of {budget} bytes is below the {minimum} bytes of the checkpointed inputs, "
+            f"which any checkpoint must keep until backward. The smallest possible budget is {minimum} "
+            "bytes (keep nothing else: plain checkpointing); for less, checkpoint larger regions or "
+            "offload to CPU."
+        )
+
+
+def _solve(profiles: Sequence[Profile], budget: int, method: str) -> Plan:
+    if method not in _SOLVERS:
+        raise ValueError(f"plan: method must be one of {sorted(_SOLVERS)}, not {method!r}.")
+    minimum = sum(p.input_bytes for p in profiles)
+    _check_budget(budget, minimum)
+    items = [((region, r.index), r.nbytes, r.cost) for region, p in enumerate(profiles) for r in p.candidates]
+    chosen = _SOLVERS[method](items, budget - minimum)
+    saved = tuple(frozenset(index for r, index in chosen if r == region) for region in range(len(profiles)))
+    return Plan(tuple(profiles), saved, budget, method)
+
+
+def plan(
+    function: Callable[..., Any],
+    *args: Any,
+    budget: int,
+    method: str = "dp",
+    cost: str = "flops",
+    **kwargs: Any,
+) -> Plan:
+    """Profile ``function(*args, **kwargs)`` and choose what to keep within ``budget`` bytes.
+
+    The budget covers the tensors the checkpoint keeps between forward and backward: its inputs and
+    the outputs the plan keeps. ``plan(...)(*args, **kwargs)`` runs it.
+    """
+    return _solve([profile(function, *args, cost=cost, **kwargs)], budget, method)
+
+
+def plan_sequential(
+    functions: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    input: torch.Tensor,
+    budget: int,
+    method: str = "dp",
+    cost: str = "flops",
+) -> Plan:
+    """One region per function (e.g. per block of a stack), one budget for all of them.
+
+    Checkpointing per block keeps each block's input (the block boundaries) and lets backward
+    recompute one block at a time; the plan then spends what is left of the budget where it saves
+    the most recomputation, across all blocks at once.
+    """
+    profiles = []
+    x = input
+    for function in functions:
+        profiles.append(profile(function, x, cost=cost))
+        # The next block's profile needs this block's output; no graph is kept.
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            x = function(x)
+        # In the real run a block boundary requires grad (it depends on parameters): profile it so.
+        x = x.detach().requires_grad_(x.is_floating_point())
+    return _solve(profiles, budget, method)
+
+
+def frontier(
+    profiles: Sequence[Profile], budgets: Sequence[int], method: str = "dp"
+) -> list[tuple[int, float]]:
+    """(predicted retained bytes, predicted recompute cost) of the plans at ``budgets``."""
+    points = []
+    for budget in budgets:
+        p = _solve(profiles, budget, method)
+        points.append((p.retained_bytes, p.recompute_cost))
+    return points

@@ -1,0 +1,260 @@
+"""Selective checkpointing: a policy decides, op by op, what the forward keeps and what backward redoes.
+
+Introduced in notebook 05. Same idea as ``torch.utils.checkpoint.checkpoint(fn, *args,
+use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy))``, built on
+this project's non-reentrant checkpoint (notebook 03) and two ``TorchDispatchMode``s:
+
+* **forward** (``_SaveMode``): every aten op runs as usual; then the policy is asked about it, and if
+  it says *save*, a detached alias of the op's output goes into the frame's cache. The cache is the
+  only extra memory: autograd's own saved tensors are still handles (notebook 03).
+* **recomputation** (``_ServeMode``): the function runs again, op by op. An op whose output is in the
+  cache is *not run*: the cached tensor comes back instead. Every other op runs.
+
+The policy has torch's signature, ``policy(ctx, op, *args, **kwargs)``, and may answer with torch's
+``CheckpointPolicy``, a ``bool`` (``True`` = save) or a list of ops to save, so one policy drives
+both implementations. Three kinds of op always run again whatever the policy says, because skipping
+them would change what the re-run computes:
+
+* ops that **modify an input in place** (``relu_``, ``bernoulli_``): the re-run's own input must be
+  modified, not replaced by a cached copy;
+* **views** (``t``, ``view``, ``expand``): they cost nothing and must alias the re-run's tensors;
+* **random ops** (``rand_like``, ``native_dropout``): skipping one leaves the generator behind, and
+  every random op after it would draw different numbers. torch 2.13's eager SAC does skip them,
+  and gives silently wrong gradients for a function that saves one random op and recomputes a later
+  one (shown in notebook 05, tested in ``tests/test_selective.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
+
+from ckpt_lab.nonreentrant import CheckpointError, _checkpoint
+
+__all__ = [
+    "RECOMPUTE",
+    "SAVE",
+    "Decision",
+    "OpContext",
+    "Policy",
+    "must_rerun",
+    "save_ops",
+    "selective_checkpoint",
+]
+
+
+class Decision(enum.Enum):
+    """What to do with one op's output: keep it from the forward, or compute it again in backward."""
+
+    SAVE = "save"
+    RECOMPUTE = "recompute"
+
+
+SAVE = Decision.SAVE
+RECOMPUTE = Decision.RECOMPUTE
+
+
+@dataclass(frozen=True)
+class OpContext:
+    """What the policy gets as ``ctx``: torch's ``SelectiveCheckpointContext`` fields, plus ``index``."""
+
+    # Position of the op among those the policy is asked about (0, 1, 2, ... in forward order).
+    index: int
+    op_output: Any
+    # torch's field; the policy is only ever asked during the forward, so always False.
+    is_recompute: bool = False
+
+
+Policy = Callable[..., Decision | CheckpointPolicy | bool]
+
+
+def save_ops(ops: Sequence[torch._ops.OpOverload]) -> Policy:
+    """The policy "save the outputs of these ops, recompute the rest" (torch accepts the bare list)."""
+    wanted = set(_checked_ops(ops))
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return SAVE if op in wanted else RECOMPUTE
+
+    return policy
+
+
+def _checked_ops(ops: Sequence[Any]) -> list[torch._ops.OpOverload]:
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            raise TypeError(
+                f"selective_checkpoint: {op} names a family of overloads; name one overload, e.g. "
+                f"torch.ops.{op._qualified_op_name.replace('::', '.')}.default."
+            )
+        if not isinstance(op, torch._ops.OpOverload):
+            raise TypeError(f"selective_checkpoint: expected aten ops (OpOverload), got {op!r}.")
+    return list(ops)
+
+
+def _decision(answer: Any, op: Any, index: int) -> Decision:
+    """Turn a policy's answer into a Decision, or explain why it is not one."""
+    if isinstance(answer, Decision):
+        return answer
+    # bool before anything else: True/False are torch's shorthand for MUST_SAVE/PREFER_RECOMPUTE.
+    if isinstance(answer, bool):
+        return SAVE if answer else RECOMPUTE
+    if answer in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+        return SAVE
+    if answer in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
+        return RECOMPUTE
+    if isinstance(answer, CheckpointPolicy):
+        raise TypeError(
+            f"selective_checkpoint: the policy answered {answer} for {op} (op {index}); CPU offload is "
+            "not a per-op decision here: wrap the call in ckpt_lab.offload.offload_to_cpu() instead."
+        )
+    raise TypeError(
+        f"selective_checkpoint: the policy answered {answer!r} for {op} (op {index}), which is not a "
+        "decision. Return ckpt_lab.selective.SAVE or RECOMPUTE, a torch CheckpointPolicy, or a bool "
+        "(True = save). A policy that falls off its end returns None: add a final `return RECOMPUTE`."
+    )
+
+
+def _storage_ids(tensors: Sequence[torch.Tensor]) -> set[int]:
+    return {t.untyped_storage()._cdata for t in tensors if t.layout == torch.strided}
+
+
+def must_rerun(op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> bool:
+    """True for ops a recomputation must run again whatever the policy says: in-place, view, random."""
+    if op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags:
+        return True
+    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    # An output that shares an input's storage is a view (or an out= result): it must alias the re-run.
+    return not outputs or bool(_storage_ids(outputs) & _storage_ids(inputs))
+
+
+@dataclass
+class _Entry:
+    """One cached op output: its leaves (tensors detached) and the tensors' versions when cached."""
+
+    leaves: list[Any]
+    spec: Any
+    versions: list[int]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [leaf for leaf in self.leaves if isinstance(leaf, torch.Tensor)]
+
+    @property
+    def modified(self) -> bool:
+        """Has an in-place op changed a cached tensor since it was cached?"""
+        return any(t._version != v for t, v in zip(self.tensors, self.versions, strict=False))
+
+
+@dataclass
+class _Cache:
+    """What the forward left for the recomputations of one checkpointed call."""
+
+    policy: Policy
+    # The op at each position, to check that the re-run runs the same ops.
+    ops: list[Any] = field(default_factory=list)
+    entries: dict[int, _Entry] = field(default_factory=dict)
+
+
+class _SaveMode(TorchDispatchMode):
+    """Forward: run each op, ask the policy, keep the outputs it wants saved."""
+
+    def __init__(self, cache: _Cache) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # The same ops torch leaves out (detach, metadata queries): they differ between runs.
+        if func in SAC_IGNORED_OPS:
+            return out
+        index = len(self.cache.ops)
+        self.cache.ops.append(func)
+        answer = self.cache.policy(OpContext(index=index, op_output=out), func, *args, **kwargs)
+        decision = _decision(answer, func, index)
+        if decision is SAVE and not must_rerun(func, args, kwargs, out):
+            leaves, spec = tree_flatten(out)
+            leaves = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+            entry = _Entry(leaves, spec, versions=[])
+            # Remember the version counters: an in-place op on a cached tensor would change what
+            # backward gets back, so serving it later must notice.
+            entry.versions = [t._version for t in entry.tensors]
+            self.cache.entries[index] = entry
+        return out
+
+    def __exit__(self, *args: Any) -> Any:
+        # An output that a later op modified in place (``empty_like`` filled by ``bernoulli_``) can't
+        # be served; drop it now rather than keep its memory until backward.
+        self.cache.entries = {i: e for i, e in self.cache.entries.items() if not e.modified}
+        return super().__exit__(*args)
+
+
+class _ServeMode(TorchDispatchMode):
+    """Recomputation: run each op again, except those whose output the forward cached."""
+
+    def __init__(self, cache: _Cache) -> None:
+        super().__init__()
+        self.cache = cache
+        self.position = itertools.count()
+
+    def __enter__(self) -> _ServeMode:
+        # Every recomputation (one per backward) starts again at op 0.
+        self.position = itertools.count()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        index = next(self.position)
+        expected = self.cache.ops[index] if index < len(self.cache.ops) else None
+        if func is not expected:
+            raise CheckpointError(
+                f"selective_checkpoint: the recomputation is not the forward. Op {index} was "
+                f"{expected} in the forward and is {func} in the recomputation. Make the function "
+                "deterministic (no branches on Python state that changes between calls), or don't "
+                "checkpoint it."
+            )
+        entry = self.cache.entries.get(index)
+        # Not saved, or modified in place since (then it is no longer the op's output): run the op.
+        if entry is None or entry.modified:
+            return func(*args, **kwargs)
+        # A fresh alias per serve: autograd attaches the re-run's history to what we return, and it
+        # must not touch the cached tensor (a second backward serves it again).
+        leaves = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in entry.leaves]
+        return tree_unflatten(leaves, entry.spec)
+
+
+def selective_checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    policy: Policy | Sequence[torch._ops.OpOverload],
+    preserve_rng_state: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """``ckpt_lab.checkpoint(function, *args, **kwargs)`` that keeps the outputs ``policy`` saves.
+
+    ``policy(ctx, op, *args, **kwargs)`` is asked once per aten op in the forward and answers SAVE or
+    RECOMPUTE (or a torch ``CheckpointPolicy``, or a bool); a list of ops means "save these".
+    Backward re-runs the function, serving saved outputs instead of running their ops. Unlike
+    torch's SAC, backward may run more than once (``retain_graph=True``).
+    """
+    chosen = save_ops(policy) if isinstance(policy, (list, tuple)) else policy
+    if not callable(chosen):
+        raise TypeError(f"selective_checkpoint: policy must be a function or a list of ops, got {policy!r}.")
+    cache = _Cache(chosen)
+    return _checkpoint(
+        function,
+        args,
+        kwargs,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=lambda: (_SaveMode(cache), _ServeMode(cache)),
+    )
