@@ -44,6 +44,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 from ckpt_lab.nonreentrant import CheckpointError
+from ckpt_lab.rng import fork_rng, tensor_devices
 from ckpt_lab.selective import RECOMPUTE, SAVE, Decision, must_rerun, selective_checkpoint
 
 __all__ = [
@@ -157,7 +158,7 @@ class _ProfileMode(TorchDispatchMode):
     def __init__(self, cost: str, repeats: int) -> None:
         super().__init__()
         self.cost, self.repeats = cost, repeats
-        self.rows: list[tuple[Any, int, float, bool, set[int]]] = []
+        self.rows: list[tuple[Any, dict[int, int], float, bool]] = []
         # Which op made each storage (the latest one with that key), and the ops whose output a
         # later in-place op modified.
         self.maker: dict[int, int] = {}
@@ -172,7 +173,8 @@ class _ProfileMode(TorchDispatchMode):
         rerun = must_rerun(func, args, kwargs, out)
         outputs = _tensors(out)
         new = _storage_keys(outputs) - _storage_keys(_tensors((args, kwargs)))
-        nbytes = sum(t.untyped_storage().nbytes() for t in _unique_storages(outputs) if _key(t) in new)
+        # Bytes per new storage (a multi-output op like native_layer_norm owns several).
+        nbytes = {_key(t): t.untyped_storage().nbytes() for t in _unique_storages(outputs) if _key(t) in new}
         cost: float = op_cost(func, args, kwargs, out)
         if self.cost == "time" and not rerun:
             cost = _seconds(func, args, kwargs, self.repeats)
@@ -181,7 +183,7 @@ class _ProfileMode(TorchDispatchMode):
                 self.mutated.add(self.maker[_key(tensor)])
         for key in new:
             self.maker[key] = len(self.rows)
-        self.rows.append((func, nbytes, cost, rerun, new))
+        self.rows.append((func, nbytes, cost, rerun))
         return out
 
 
@@ -241,26 +243,26 @@ def profile(
         last_pack[0] = len(mode.rows) - 1
         return tensor
 
-    # The RNG is forked so profiling leaves the caller's random stream where it was.
-    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+    # The RNG is forked (CPU and the inputs' devices) so profiling leaves the caller's stream alone.
+    with fork_rng(tensor_devices(args, kwargs)), torch.enable_grad():
         with saved_tensors_hooks(pack, lambda t: t), mode:
             out = function(*args, **kwargs)
-    # The ops that made the returned tensors. By the latest maker of each storage key: the key is an
-    # address, and an address freed earlier in the forward may have been reused.
-    returned = {mode.maker[key] for key in _storage_keys(_tensors(out)) if key in mode.maker}
-    inputs = _unique_storages(_tensors((args, kwargs)))
+    # The returned storages, each with the op that made it (by the latest maker of its key: a key is
+    # an address, and an address freed earlier in the forward may have been reused since).
+    returned = {(mode.maker[key], key) for key in _storage_keys(_tensors(out)) if key in mode.maker}
     ops = tuple(
         OpRecord(
             index=i,
             op=func,
-            nbytes=0 if i in returned else nbytes,
+            nbytes=sum(n for key, n in nbytes.items() if (i, key) not in returned),
             cost=cost_i,
             rerun=rerun,
             mutated=i in mode.mutated,
             reached=i <= last_pack[0],
         )
-        for i, (func, nbytes, cost_i, rerun, new) in enumerate(mode.rows)
+        for i, (func, nbytes, cost_i, rerun) in enumerate(mode.rows)
     )
+    inputs = _unique_storages(_tensors((args, kwargs)))
     input_bytes = sum(t.untyped_storage().nbytes() for t in inputs)
     return Profile(function, ops, input_bytes, "FLOPs" if cost == "flops" else "seconds")
 
@@ -498,7 +500,7 @@ def plan_sequential(
     for function in functions:
         profiles.append(profile(function, x, cost=cost))
         # The next block's profile needs this block's output; no graph is kept.
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), fork_rng(tensor_devices(x)):
             x = function(x)
         # In the real run a block boundary requires grad (it depends on parameters): profile it so.
         x = x.detach().requires_grad_(x.is_floating_point())

@@ -112,7 +112,8 @@ def _decision(answer: Any, op: Any, index: int) -> Decision:
     if isinstance(answer, CheckpointPolicy):
         raise TypeError(
             f"selective_checkpoint: the policy answered {answer} for {op} (op {index}); CPU offload is "
-            "not a per-op decision here: wrap the call in ckpt_lab.offload.offload_to_cpu() instead."
+            "not a per-op decision here. Return SAVE or RECOMPUTE for this op, and to offload, wrap the "
+            "call in ckpt_lab.offload.offload_to_cpu() instead."
         )
     raise TypeError(
         f"selective_checkpoint: the policy answered {answer!r} for {op} (op {index}), which is not a "
@@ -163,6 +164,18 @@ class _Cache:
     entries: dict[int, _Entry] = field(default_factory=dict)
 
 
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached alias that shares ``tensor``'s version counter, made below autograd.
+
+    Inside ``__torch_dispatch__`` the ADInplaceOrView key is excluded, and a plain ``detach()``
+    there gives the alias a version counter of its own: it would never see a later in-place op on
+    the output. Re-enabling the key makes ``detach`` share the counter (torch's ``_detach_helper``
+    does the same).
+    """
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return tensor.detach()
+
+
 class _SaveMode(TorchDispatchMode):
     """Forward: run each op, ask the policy, keep the outputs it wants saved."""
 
@@ -182,7 +195,7 @@ class _SaveMode(TorchDispatchMode):
         decision = _decision(answer, func, index)
         if decision is SAVE and not must_rerun(func, args, kwargs, out):
             leaves, spec = tree_flatten(out)
-            leaves = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+            leaves = [_alias(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
             entry = _Entry(leaves, spec, versions=[])
             # Remember the version counters: an in-place op on a cached tensor would change what
             # backward gets back, so serving it later must notice.
