@@ -9,12 +9,17 @@ every strategy) and each strategy, it measures in separate passes, so no instrum
 
 1. **memory**: retained-after-forward and peak live bytes over forward + backward (gradients
    excluded), from ``ckpt_lab.memory``; plus ``torch.cuda.max_memory_allocated`` on CUDA;
-2. **FLOPs and aten ops** of forward + backward (``count_flops``, ``OpCounter``);
+2. **FLOPs and aten ops** of forward + backward (``OpCounter``, and torch's FLOP formulas: the
+   numbers of ``count_flops``, without its module hooks; see ``_MatmulFlops``);
 3. **correctness**: every gradient against the un-checkpointed run, and a check that the strategy
    left no global state behind (saved-tensor hooks, dispatch modes, patched methods, grad mode);
 4. **time**: rounds in which the strategies run in a shuffled order; each strategy's time is divided
    by the time of "none" (and of its torch equivalent) *in the same round*, and the median of those
    ratios is reported, so that the machine's drifting load cancels out.
+
+The planner strategies (``ckpt-plan-25``, ``ckpt-plan-50``; notebook 05) are planned once per workload,
+before anything is measured or timed, at a quarter and half of the way from the smallest useful
+budget to the largest (``PlannerRange``); each is checked against its budget.
 """
 
 from __future__ import annotations
@@ -37,11 +42,15 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import checkpoint as torch_ckpt
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
-from ckpt_lab.counting import OpCounter, count_flops
+from ckpt_lab.counting import OpCounter
 from ckpt_lab.memory import measure_memory
 from ckpt_lab.nonreentrant import checkpoint
+from ckpt_lab.planner import Plan, Profile, plan_sequential, solve
 from ckpt_lab.reentrant import reentrant_checkpoint
+from ckpt_lab.selective import selective_checkpoint
 from ckpt_lab.sequential import checkpoint_sequential
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,6 +144,9 @@ class Strategy:
     # Measured in a process of its own (with "none" beside it), because it leaves global state behind
     # that would break the strategies measured after it.
     isolated: bool = False
+    # Planner strategies: where their budget lies between the workload's smallest and largest
+    # (``PlannerRange.budget``); ``measure`` makes the plan before anything is measured or timed.
+    budget_fraction: float | None = None
 
 
 def _per_block(wrap: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> Run:
@@ -171,6 +183,65 @@ def _sac_context() -> Any:
     return torch_ckpt.create_selective_checkpoint_contexts(_MATMULS)
 
 
+def _ckpt_sac(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return selective_checkpoint(block, x, policy=_MATMULS)
+
+
+# ------------------------------------------------------------------------------------------ planner
+# More bytes than any workload has: a plan under it keeps every candidate.
+UNLIMITED = 2**62
+
+
+@dataclass
+class PlannerRange:
+    """One stack's profiles (one per block) and the budgets worth planning for.
+
+    ``minimum`` is the blocks' inputs alone (plain per-block checkpointing keeps nothing else);
+    ``maximum`` is what the plan keeps with no limit. Budgets between them are given as a fraction.
+    """
+
+    # Held so that the id the cache is keyed on can't be reused by another list while cached.
+    blocks: list[nn.Module]
+    profiles: tuple[Profile, ...]
+    minimum: int
+    maximum: int
+    plans: dict[tuple[float, str], Plan] = field(default_factory=dict, repr=False)
+
+    def budget(self, fraction: float) -> int:
+        return self.minimum + round(fraction * (self.maximum - self.minimum))
+
+    def plan(self, fraction: float, method: str = "dp") -> Plan:
+        """The plan at ``budget(fraction)``, solved once and then reused."""
+        key = (fraction, method)
+        if key not in self.plans:
+            self.plans[key] = solve(self.profiles, self.budget(fraction), method)
+        return self.plans[key]
+
+
+# Kept for the life of the process (a benchmark plans a handful of stacks).
+_RANGES: dict[tuple[Any, ...], PlannerRange] = {}
+
+
+def planner_range(blocks: list[nn.Module], x: torch.Tensor) -> PlannerRange:
+    """Profile ``blocks`` on ``x`` once per stack and input shape (cached: ``id(blocks)``, shape, dtype)."""
+    key = (id(blocks), tuple(x.shape), x.dtype, x.device)
+    cached = _RANGES.get(key)
+    # The same id may belong to a new list once the old one is gone: only a hit on the same list counts.
+    if cached is None or cached.blocks is not blocks:
+        # The unlimited plan profiles every block (the slow part) and gives the largest useful budget.
+        largest = plan_sequential(blocks, x, budget=UNLIMITED)
+        minimum = sum(p.input_bytes for p in largest.profiles)
+        cached = _RANGES[key] = PlannerRange(blocks, largest.profiles, minimum, largest.retained_bytes)
+    return cached
+
+
+def _planned(fraction: float) -> Run:
+    def run(blocks: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+        return planner_range(blocks, x).plan(fraction)(x)
+
+    return run
+
+
 def strategies(include_returnn: bool = True, only: list[str] | None = None) -> list[Strategy]:
     """Every strategy available in this environment ("none" first), or those named in ``only``."""
     found = [
@@ -198,6 +269,10 @@ def strategies(include_returnn: bool = True, only: list[str] | None = None) -> l
             lambda bs, x: checkpoint_sequential(bs, _sqrt_segments(len(bs)), x, use_reentrant=False),
             reference="torch-sequential-sqrt",
         ),
+        Strategy("ckpt-sac-matmul", _per_block(_ckpt_sac), reference="torch-sac-matmul"),
+        # No torch reference: torch's memory-budget solver exists only under torch.compile.
+        Strategy("ckpt-plan-25", _planned(0.25), budget_fraction=0.25),
+        Strategy("ckpt-plan-50", _planned(0.5), budget_fraction=0.5),
     ]
     try:
         from ckpt_lab.scope import gradient_checkpoint_scope
@@ -287,6 +362,12 @@ class Result:
     seconds: float = 0.0
     time_vs_none: float = 1.0
     time_vs_reference: float | None = None
+    # Planner strategies: the budget, in bytes, that the plan was made for.
+    budget_bytes: int | None = None
+    # ``retained_bytes`` on the planner's terms, comparable with ``budget_bytes``: the activations kept
+    # between forward and backward, counting the first block's input but not the final output nor the
+    # loss (``retained_bytes`` counts those two and not the input, which exists before the forward).
+    activation_bytes: int | None = None
     samples: list[float] = field(default_factory=list, repr=False)
 
 
@@ -305,11 +386,42 @@ def _measure_isolated(
     return results
 
 
+class _MatmulFlops(TorchDispatchMode):
+    """The FLOPs ``count_flops`` reports (torch's formulas for matmul-like ops), without its module hooks.
+
+    ``FlopCounterMode`` tracks modules with hooks that run ``view_as`` on every module's inputs and
+    outputs; inside a planned region those are ops the plan was not profiled with, and its policy
+    refuses to run. The totals are the same for every other strategy (checked in tests/test_bench.py).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.overloadpacket in flop_registry:
+            self.total += int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+        return out
+
+
+def _output_bytes(wl: Workload) -> int:
+    """Bytes of the stack's final output (the same for every strategy)."""
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        out = _per_block(lambda b, x: b(x))(wl.blocks, wl.input)
+    return out.untyped_storage().nbytes()
+
+
 def measure(
     wl: Workload, strats: list[Strategy], rounds: int, device: str, log: Callable[[str], None]
 ) -> list[Result]:
     """All metrics of every strategy on one workload."""
     results = {s.name: Result(wl.name, wl.family, wl.depth, s.name, s.reference) for s in strats}
+    # Plans are made (profiled and solved) now, so that planning is in none of the measurements.
+    for s in strats:
+        if s.budget_fraction is not None:
+            results[s.name].budget_bytes = planner_range(wl.blocks, wl.input).plan(s.budget_fraction).budget
     # Correctness and global state first: a broken strategy should be flagged before being timed.
     _zero_grads(wl)
     _loss(strats[0], wl).backward()
@@ -339,18 +451,23 @@ def measure(
     runnable = [s for s in strats if not results[s.name].state_error.startswith("raised")]
     log(f"  {wl.name}: gradients and state checked")
 
+    # On the planner's terms (``activation_bytes``): the final output stays alive (square saved it) and
+    # so does the loss (a scalar of the input's dtype); the input was made before, yet is kept.
+    not_activations = _output_bytes(wl) + wl.input.element_size() - wl.input.untyped_storage().nbytes()
     for s in runnable:
         _zero_grads(wl)
         report = measure_memory(partial(_loss, s, wl))
         results[s.name].retained_bytes = report.retained_bytes
+        results[s.name].activation_bytes = report.retained_bytes - not_activations
         results[s.name].peak_bytes = report.peak_bytes
         results[s.name].cuda_peak_bytes = report.cuda_peak_bytes
     log(f"  {wl.name}: memory measured")
 
     for s in runnable:
         _zero_grads(wl)
-        with OpCounter() as ops:
-            results[s.name].flops = count_flops(lambda s=s: _loss(s, wl).backward())
+        with OpCounter() as ops, _MatmulFlops() as flops:
+            _loss(s, wl).backward()
+        results[s.name].flops = flops.total
         results[s.name].aten_ops = ops.total
     log(f"  {wl.name}: FLOPs counted")
 
@@ -399,7 +516,7 @@ def check_targets(results: list[Result]) -> list[dict[str, Any]]:
 
     for (workload, name), r in sorted(by.items()):
         ref = by.get((workload, r.reference)) if r.reference else None
-        if name in ("ckpt-reentrant", "ckpt-nonreentrant", "ckpt-sequential-sqrt") and ref:
+        if name in ("ckpt-reentrant", "ckpt-nonreentrant", "ckpt-sequential-sqrt", "ckpt-sac-matmul") and ref:
             for metric in ("retained_bytes", "peak_bytes"):
                 ours, theirs = getattr(r, metric), getattr(ref, metric)
                 ok = abs(ours - theirs) <= 0.01 * max(theirs, 1)
@@ -436,6 +553,13 @@ def check_targets(results: list[Result]) -> list[dict[str, Any]]:
                     r.time_vs_none <= 3.0,
                     f"{r.time_vs_none:.2f}x",
                 )
+        if r.budget_bytes is not None and r.activation_bytes is not None:
+            add(
+                workload,
+                f"{name}: planner within its budget",
+                r.activation_bytes <= r.budget_bytes,
+                f"{r.activation_bytes:,} vs budget {r.budget_bytes:,}",
+            )
         if not r.grad_ok:
             add(
                 workload,

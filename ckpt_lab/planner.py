@@ -58,6 +58,7 @@ __all__ = [
     "plan",
     "plan_sequential",
     "profile",
+    "solve",
     "solve_brute_force",
     "solve_dp",
     "solve_greedy",
@@ -455,7 +456,11 @@ def _check_budget(budget: int, minimum: int) -> None:
         )
 
 
-def _solve(profiles: Sequence[Profile], budget: int, method: str) -> Plan:
+def solve(profiles: Sequence[Profile], budget: int, method: str = "dp") -> Plan:
+    """The plan for ``budget`` from profiles made once: one knapsack over every region's candidates.
+
+    Profiling a stack takes seconds and solving it milliseconds: plan many budgets from one profile.
+    """
     if method not in _SOLVERS:
         raise ValueError(f"plan: method must be one of {sorted(_SOLVERS)}, not {method!r}.")
     minimum = sum(p.input_bytes for p in profiles)
@@ -479,7 +484,7 @@ def plan(
     The budget covers the tensors the checkpoint keeps between forward and backward: its inputs and
     the outputs the plan keeps. ``plan(...)(*args, **kwargs)`` runs it.
     """
-    return _solve([profile(function, *args, cost=cost, **kwargs)], budget, method)
+    return solve([profile(function, *args, cost=cost, **kwargs)], budget, method)
 
 
 def plan_sequential(
@@ -504,7 +509,7 @@ def plan_sequential(
             x = function(x)
         # In the real run a block boundary requires grad (it depends on parameters): profile it so.
         x = x.detach().requires_grad_(x.is_floating_point())
-    return _solve(profiles, budget, method)
+    return solve(profiles, budget, method)
 
 
 def frontier(
@@ -513,6 +518,6 @@ def frontier(
     """(predicted retained bytes, predicted recompute cost) of the plans at ``budgets``."""
     points = []
     for budget in budgets:
-        p = _solve(profiles, budget, method)
+        p = solve(profiles, budget, method)
         points.append((p.retained_bytes, p.recompute_cost))
     return points
