@@ -7,6 +7,10 @@ The public API (names and signatures are stable):
 * ``checkpoint_sequential(functions, segments, input, use_reentrant=False, preserve_rng_state=True)``
 * ``gradient_checkpoint_scope()`` -- notebook 04
 
+Stage 5 (notebook 05): ``selective_checkpoint(function, *args, policy, ...)`` (exported here), and
+the modules ``ckpt_lab.planner`` (an eager memory-budget planner), ``ckpt_lab.offload`` (saved tensors
+to CPU) and ``ckpt_lab.batchnorm`` (running statistics updated once under checkpointing).
+
 Beside them: ``ckpt_lab.distributed`` (DDP and FSDP on CPU, notebook 06; not imported here because
 it pulls in ``torch.distributed.fsdp``) and ``python -m ckpt_lab.bench`` (the benchmark).
 
@@ -20,6 +24,7 @@ from ckpt_lab.nonreentrant import CheckpointError, checkpoint
 from ckpt_lab.reentrant import reentrant_checkpoint
 from ckpt_lab.saved import SavedTensorLog
 from ckpt_lab.scope import gradient_checkpoint_scope
+from ckpt_lab.selective import selective_checkpoint
 from ckpt_lab.sequential import checkpoint_sequential
 
 __all__ = [
@@ -35,4 +40,5 @@ __all__ = [
     "gradient_checkpoint_scope",
     "measure_memory",
     "reentrant_checkpoint",
+    "selective_checkpoint",
 ]
