@@ -10,7 +10,7 @@ every strategy) and each strategy, it measures in separate passes, so no instrum
 1. **memory**: retained-after-forward and peak live bytes over forward + backward (gradients
    excluded), from ``ckpt_lab.memory``; plus ``torch.cuda.max_memory_allocated`` on CUDA;
 2. **FLOPs and aten ops** of forward + backward (``OpCounter``, and torch's FLOP formulas: the
-   numbers of ``count_flops``, without its module hooks; see ``_MatmulFlops``);
+   numbers of ``count_flops``, without its module hooks; see ``planner.CostCounter``);
 3. **correctness**: every gradient against the un-checkpointed run, and a check that the strategy
    left no global state behind (saved-tensor hooks, dispatch modes, patched methods, grad mode);
 4. **time**: rounds in which the strategies run in a shuffled order; each strategy's time is divided
@@ -42,13 +42,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import checkpoint as torch_ckpt
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from ckpt_lab.counting import OpCounter
 from ckpt_lab.memory import measure_memory
 from ckpt_lab.nonreentrant import checkpoint
-from ckpt_lab.planner import Plan, Profile, plan_sequential, solve
+from ckpt_lab.planner import CostCounter, Plan, Profile, matmul_flops, plan_sequential, solve
 from ckpt_lab.reentrant import reentrant_checkpoint
 from ckpt_lab.selective import selective_checkpoint
 from ckpt_lab.sequential import checkpoint_sequential
@@ -386,26 +384,6 @@ def _measure_isolated(
     return results
 
 
-class _MatmulFlops(TorchDispatchMode):
-    """The FLOPs ``count_flops`` reports (torch's formulas for matmul-like ops), without its module hooks.
-
-    ``FlopCounterMode`` tracks modules with hooks that run ``view_as`` on every module's inputs and
-    outputs; inside a planned region those are ops the plan was not profiled with, and its policy
-    refuses to run. The totals are the same for every other strategy (checked in tests/test_bench.py).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func.overloadpacket in flop_registry:
-            self.total += int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
-        return out
-
-
 def _output_bytes(wl: Workload) -> int:
     """Bytes of the stack's final output (the same for every strategy)."""
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -465,7 +443,7 @@ def measure(
 
     for s in runnable:
         _zero_grads(wl)
-        with OpCounter() as ops, _MatmulFlops() as flops:
+        with OpCounter() as ops, CostCounter(cost=matmul_flops) as flops:
             _loss(s, wl).backward()
         results[s.name].flops = flops.total
         results[s.name].aten_ops = ops.total

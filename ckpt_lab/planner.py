@@ -54,6 +54,7 @@ __all__ = [
     "PlanPolicy",
     "Profile",
     "frontier",
+    "matmul_flops",
     "op_cost",
     "plan",
     "plan_sequential",
@@ -92,17 +93,29 @@ def op_cost(op: Any, args: Any, kwargs: Any, out: Any) -> int:
     return sum(t.numel() for t in outputs)
 
 
-class CostCounter(TorchDispatchMode):
-    """Sum ``op_cost`` over every op run while active (forward, backward and recomputation alike)."""
+def matmul_flops(op: Any, args: Any, kwargs: Any, out: Any) -> int:
+    """torch.utils.flop_counter's count alone (matmul-like ops; 0 for everything else)."""
+    packet = op.overloadpacket
+    return int(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0
 
-    def __init__(self) -> None:
+
+class CostCounter(TorchDispatchMode):
+    """Sum a per-op cost (``op_cost`` by default) over every op run while active (forward, backward
+    and recomputation alike).
+
+    With ``cost=matmul_flops`` it counts what ``count_flops`` counts, without ``FlopCounterMode``'s
+    module hooks: those run ``view_as`` inside each block, ops a plan was not profiled with.
+    """
+
+    def __init__(self, cost: Callable[[Any, Any, Any, Any], int] = op_cost) -> None:
         super().__init__()
+        self.cost = cost
         self.total = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.total += op_cost(func, args, kwargs, out)
+        self.total += self.cost(func, args, kwargs, out)
         return out
 
 

@@ -236,12 +236,14 @@ class _ServeMode(TorchDispatchMode):
                 "deterministic (no branches on Python state that changes between calls), or don't "
                 "checkpoint it."
             )
-        entry = self.cache.entries.get(index)
-        # Not saved, or modified in place since (then it is no longer the op's output): run the op.
+        # Served once: from here on backward holds the only reference and frees it after use, as it
+        # frees any recomputed tensor. A second backward (retain_graph=True) finds no entry and runs
+        # the op again, which is always correct -- it just costs that op's FLOPs once more.
+        entry = self.cache.entries.pop(index, None)
+        # Not saved (or served already), or modified in place since (no longer the op's output).
         if entry is None or entry.modified:
             return func(*args, **kwargs)
-        # A fresh alias per serve: autograd attaches the re-run's history to what we return, and it
-        # must not touch the cached tensor (a second backward serves it again).
+        # A fresh alias: autograd attaches the re-run's history to what we return, not to our entry.
         leaves = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in entry.leaves]
         return tree_unflatten(leaves, entry.spec)
 
@@ -257,8 +259,9 @@ def selective_checkpoint(
 
     ``policy(ctx, op, *args, **kwargs)`` is asked once per aten op in the forward and answers SAVE or
     RECOMPUTE (or a torch ``CheckpointPolicy``, or a bool); a list of ops means "save these".
-    Backward re-runs the function, serving saved outputs instead of running their ops. Unlike
-    torch's SAC, backward may run more than once (``retain_graph=True``).
+    Backward re-runs the function, serving saved outputs instead of running their ops, each once:
+    like torch's SAC, a served output is freed as soon as backward has used it. Unlike torch's SAC,
+    backward may run more than once (``retain_graph=True``): later backwards recompute those ops.
     """
     chosen = save_ops(policy) if isinstance(policy, (list, tuple)) else policy
     if not callable(chosen):

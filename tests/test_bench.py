@@ -11,6 +11,7 @@ import torch
 
 from ckpt_lab import CheckpointError, bench
 from ckpt_lab.counting import count_flops
+from ckpt_lab.planner import CostCounter, matmul_flops
 
 PLANNED = ("ckpt-plan-25", "ckpt-plan-50")
 
@@ -108,7 +109,7 @@ def test_plans_are_made_once_per_stack_and_input_shape():
 def test_the_flop_count_is_count_flops_without_module_hooks():
     wl = bench.transformer(1, d_model=32, nhead=2, seq=8, batch=2)
     for s in bench.strategies(include_returnn=False):
-        with bench._MatmulFlops() as flops:
+        with CostCounter(cost=matmul_flops) as flops:
             bench._loss(s, wl).backward()
         if s.budget_fraction is None:
             assert flops.total == count_flops(lambda s=s: bench._loss(s, wl).backward()), s.name

@@ -261,16 +261,26 @@ def test_retained_bytes_save_nothing_equal_plain_checkpoint() -> None:
     assert retained(plain, None) == MM1_BYTES + MM2_BYTES + LOSS_BYTES
 
 
-def test_peak_bytes_ours_keeps_the_cache_until_the_graph_dies() -> None:
+def test_peak_bytes_equal_torchs_a_served_output_is_freed_after_use() -> None:
     peaks = {}
     for name, run in RUNNERS.items():
         x, w1, w2 = toy_tensors()
         peaks[name] = measure_memory(lambda run=run: run(toy, x, w1, w2, policy=MATMULS).sum()).peak_bytes  # noqa: B023
-    assert peaks["plain"] == peaks["torch"] == 3080
-    # torch drops a cached output once it has served it (no second backward); ours keeps every cached
-    # output until the region's graph is freed, so that a retain_graph backward can be served again.
-    # Here that costs exactly the cached bytes at the backward's peak.
-    assert peaks["ours"] == 3080 + MM1_BYTES + MM2_BYTES == 4616
+    # Both serve each cached output once and let backward free it; keeping the cache until the graph
+    # died cost exactly the cached bytes more (4616 = 3080 + MM1_BYTES + MM2_BYTES, before the fix).
+    assert peaks["plain"] == peaks["torch"] == peaks["ours"] == 3080
+
+
+def test_second_backward_recomputes_what_the_first_was_served() -> None:
+    x, w1, w2 = toy_tensors()
+    loss = selective_checkpoint(toy, x, w1, w2, policy=MATMULS).sum()
+    with FlopCounterMode(display=False) as first:
+        loss.backward(retain_graph=True)
+    with FlopCounterMode(display=False) as second:
+        loss.backward()
+    # The first backward is served both matmuls; the second runs them again (16384 forward FLOPs).
+    assert first.get_total_flops() == PLAIN_BACKWARD_FLOPS
+    assert second.get_total_flops() == PLAIN_BACKWARD_FLOPS + FORWARD_FLOPS
 
 
 # ----------------------------------------------------------------------------------------- FLOPs
