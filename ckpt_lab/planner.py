@@ -190,8 +190,11 @@ class _ProfileMode(TorchDispatchMode):
         # Bytes per new storage (a multi-output op like native_layer_norm owns several).
         nbytes = {_key(t): t.untyped_storage().nbytes() for t in _unique_storages(outputs) if _key(t) in new}
         cost: float = op_cost(func, args, kwargs, out)
-        if self.cost == "time" and not rerun:
-            cost = _seconds(func, args, kwargs, self.repeats)
+        if self.cost == "time":
+            # In-place and random ops can't be run again just to time them (that would change their
+            # input or the generator); they run in every recomputation whatever the plan, so leaving
+            # them out shifts every plan's cost alike and changes no choice. Views cost nothing.
+            cost = 0.0 if rerun else _seconds(func, args, kwargs, self.repeats)
         for tensor in _written_args(func, args, kwargs):
             if _key(tensor) in self.maker:
                 self.mutated.add(self.maker[_key(tensor)])
@@ -245,7 +248,8 @@ def profile(
     """Run ``function(*args, **kwargs)`` once (with grad) and record each op's bytes and cost.
 
     ``cost="flops"`` is exact and the same on every machine; ``cost="time"`` times each op
-    ``repeats`` more times (noisy, machine-dependent, but it sees memory-bound ops as they are).
+    ``repeats`` more times (noisy, machine-dependent, but it sees memory-bound ops as they are;
+    in-place and random ops count 0 there, see ``_ProfileMode``).
     """
     if cost not in ("flops", "time"):
         raise ValueError(f"profile: cost must be 'flops' or 'time', not {cost!r}.")

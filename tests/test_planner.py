@@ -262,3 +262,18 @@ def test_random_budgets_on_random_stacks():
         greedy = plan_sequential(blocks, x, budget=budget, method="greedy")
         assert dp.retained_bytes <= budget and greedy.retained_bytes <= budget
         assert dp.recompute_cost <= greedy.recompute_cost
+
+
+def test_time_cost_profile_plans_within_budget():
+    # Measured seconds instead of FLOPs: noisy, so only structure is asserted, never a time.
+    blocks, x = _mlp(p=0.0)
+    prof = profile(_stack(blocks), x, cost="time", repeats=2)
+    assert prof.cost_unit == "seconds"
+    assert all(r.cost > 0 for r in prof.candidates)
+    assert all(r.cost == 0 for r in prof.ops if r.rerun)
+    p = plan(_stack(blocks), x, budget=x.nbytes + 10_000, cost="time")
+    assert p.retained_bytes <= x.nbytes + 10_000
+    expected = _grads(blocks, x, _stack(blocks))
+    assert all(torch.equal(a, b) for a, b in zip(_grads(blocks, x, p), expected, strict=True))
+    with pytest.raises(ValueError, match="'flops' or 'time'"):
+        profile(_stack(blocks), x, cost="bytes")

@@ -489,6 +489,18 @@ print(
 )
 
 # %% [markdown]
+# With `cost="time"` the profile times each op (a few repeats) instead of counting FLOPs, so
+# memory-bound ops weigh what they really cost on this machine. Machine-dependent: nbval does not
+# check this cell's output.
+
+# %% tags=["nbval-ignore-output"]
+timed = plan_sequential(blocks, x, budget=quarter.budget, cost="time")
+kept = [timed.profiles[0].ops[i].op.overloadpacket.__name__ for i in sorted(timed.saved[0])]
+print("block 0 keeps (by time):", kept)
+within = timed.retained_bytes <= quarter.budget
+print(f"predicted recomputation: {timed.recompute_cost * 1e3:.2f} ms per step, within budget: {within}")
+
+# %% [markdown]
 # The same plan runs under torch's checkpoint too (`Plan.torch_context_fn`), with the same
 # gradients — the planner is not tied to this project's engine:
 
@@ -635,6 +647,11 @@ print(
     f"brought back: {hooks.bytes_returned / 1024:.0f} KiB; kept on device: {hooks.tensors_kept} tensors "
     f"({hooks.bytes_kept / 1024:.0f} KiB: parameters, which stay alive anyway)"
 )
+
+# %%
+# What those bytes would cost over PCIe 4.0 x16 (~25 GB/s each way), out in forward and back in backward.
+PCIE_BYTES_PER_S = 25e9
+print(f"estimated transfer: {2 * hooks.bytes_moved / PCIE_BYTES_PER_S * 1e6:.0f} µs per step for this MLP")
 
 # %% [markdown]
 # On a GPU those moved bytes leave device memory entirely: the frontier point has the retained
