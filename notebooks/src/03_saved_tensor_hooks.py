@@ -67,6 +67,7 @@ from ckpt_lab import (
     reentrant_checkpoint,
 )
 from ckpt_lab.nonreentrant import (
+    _checkpoint,
     _Frame,
     _graph_task_id,
     _Handle,
@@ -540,6 +541,14 @@ except RuntimeError as error:
 
 # %%
 show_source(checkpoint)
+
+# %% [markdown]
+# It hands over to `_checkpoint`, the same function with one more slot, torch's `context_fn`: a pair
+# of context managers entered around the forward and around each re-run. Plain checkpointing leaves
+# it empty; notebook 05's selective checkpointing plugs its two dispatch modes in there.
+
+# %%
+show_source(_checkpoint)
 
 # %% [markdown]
 # The frame saves the inputs **through autograd**, as saved tensors of a do-nothing node, instead of
