@@ -46,7 +46,7 @@ from torch.utils import checkpoint as torch_ckpt
 from ckpt_lab.counting import OpCounter
 from ckpt_lab.memory import measure_memory
 from ckpt_lab.nonreentrant import checkpoint
-from ckpt_lab.planner import CostCounter, Plan, Profile, matmul_flops, plan_sequential, solve
+from ckpt_lab.planner import CostCounter, Plan, Profile, budget_range, matmul_flops, profile_sequential, solve
 from ckpt_lab.reentrant import reentrant_checkpoint
 from ckpt_lab.selective import selective_checkpoint
 from ckpt_lab.sequential import checkpoint_sequential
@@ -186,10 +186,6 @@ def _ckpt_sac(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ planner
-# More bytes than any workload has: a plan under it keeps every candidate.
-UNLIMITED = 2**62
-
-
 @dataclass
 class PlannerRange:
     """One stack's profiles (one per block) and the budgets worth planning for.
@@ -226,10 +222,9 @@ def planner_range(blocks: list[nn.Module], x: torch.Tensor) -> PlannerRange:
     cached = _RANGES.get(key)
     # The same id may belong to a new list once the old one is gone: only a hit on the same list counts.
     if cached is None or cached.blocks is not blocks:
-        # The unlimited plan profiles every block (the slow part) and gives the largest useful budget.
-        largest = plan_sequential(blocks, x, budget=UNLIMITED)
-        minimum = sum(p.input_bytes for p in largest.profiles)
-        cached = _RANGES[key] = PlannerRange(blocks, largest.profiles, minimum, largest.retained_bytes)
+        # Profiling every block is the slow part; solving for a budget takes milliseconds.
+        profiles = profile_sequential(blocks, x)
+        cached = _RANGES[key] = PlannerRange(blocks, profiles, *budget_range(profiles))
     return cached
 
 

@@ -39,13 +39,22 @@ import numpy as np
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 from ckpt_lab.nonreentrant import CheckpointError
 from ckpt_lab.rng import fork_rng, tensor_devices
-from ckpt_lab.selective import RECOMPUTE, SAVE, Decision, must_rerun, selective_checkpoint
+from ckpt_lab.selective import (
+    RECOMPUTE,
+    SAVE,
+    Decision,
+    is_view,
+    must_rerun,
+    selective_checkpoint,
+    storage_key,
+    storage_keys,
+    tensors_in,
+)
 
 __all__ = [
     "CostCounter",
@@ -53,12 +62,14 @@ __all__ = [
     "Plan",
     "PlanPolicy",
     "Profile",
+    "budget_range",
     "frontier",
     "matmul_flops",
     "op_cost",
     "plan",
     "plan_sequential",
     "profile",
+    "profile_sequential",
     "solve",
     "solve_brute_force",
     "solve_dp",
@@ -67,14 +78,6 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------------- costs
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
-def _storage_keys(tensors: Sequence[torch.Tensor]) -> set[int]:
-    return {t.untyped_storage()._cdata for t in tensors if t.layout == torch.strided}
-
-
 def op_cost(op: Any, args: Any, kwargs: Any, out: Any) -> int:
     """FLOPs of one op: torch's count for matmul-like ops, one per output element for the rest.
 
@@ -86,11 +89,10 @@ def op_cost(op: Any, args: Any, kwargs: Any, out: Any) -> int:
     packet = op.overloadpacket
     if packet in flop_registry:
         return int(flop_registry[packet](*args, **kwargs, out_val=out))
-    outputs = _tensors(out)
-    # A non-mutating op whose output shares an input's storage is a view: no arithmetic.
-    if not op._schema.is_mutable and _storage_keys(outputs) & _storage_keys(_tensors((args, kwargs))):
+    # A view does no arithmetic.
+    if is_view(op, args, kwargs, out):
         return 0
-    return sum(t.numel() for t in outputs)
+    return sum(t.numel() for t in tensors_in(out))
 
 
 def matmul_flops(op: Any, args: Any, kwargs: Any, out: Any) -> int:
@@ -185,10 +187,14 @@ class _ProfileMode(TorchDispatchMode):
         if func in SAC_IGNORED_OPS:
             return out
         rerun = must_rerun(func, args, kwargs, out)
-        outputs = _tensors(out)
-        new = _storage_keys(outputs) - _storage_keys(_tensors((args, kwargs)))
+        outputs = tensors_in(out)
+        new = storage_keys(outputs) - storage_keys(tensors_in((args, kwargs)))
         # Bytes per new storage (a multi-output op like native_layer_norm owns several).
-        nbytes = {_key(t): t.untyped_storage().nbytes() for t in _unique_storages(outputs) if _key(t) in new}
+        nbytes = {
+            storage_key(t): t.untyped_storage().nbytes()
+            for t in _unique_storages(outputs)
+            if storage_key(t) in new
+        }
         cost: float = op_cost(func, args, kwargs, out)
         if self.cost == "time":
             # In-place and random ops can't be run again just to time them (that would change their
@@ -196,8 +202,8 @@ class _ProfileMode(TorchDispatchMode):
             # them out shifts every plan's cost alike and changes no choice. Views cost nothing.
             cost = 0.0 if rerun else _seconds(func, args, kwargs, self.repeats)
         for tensor in _written_args(func, args, kwargs):
-            if _key(tensor) in self.maker:
-                self.mutated.add(self.maker[_key(tensor)])
+            if storage_key(tensor) in self.maker:
+                self.mutated.add(self.maker[storage_key(tensor)])
         for key in new:
             self.maker[key] = len(self.rows)
         self.rows.append((func, nbytes, cost, rerun))
@@ -211,25 +217,21 @@ def _written_args(op: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
         value = kwargs[argument.name] if argument.name in kwargs else args[i] if i < len(args) else None
-        written += [t for t in _tensors(value) if t.layout == torch.strided]
+        written += [t for t in tensors_in(value) if t.layout == torch.strided]
     return written
-
-
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 def _unique_storages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     seen: dict[int, torch.Tensor] = {}
     for t in tensors:
         if t.layout == torch.strided:
-            seen.setdefault(_key(t), t)
+            seen.setdefault(storage_key(t), t)
     return list(seen.values())
 
 
 def _seconds(func: Any, args: Any, kwargs: Any, repeats: int) -> float:
     """Median wall time of running a functional op again (on CUDA, synchronised)."""
-    cuda = any(t.is_cuda for t in _tensors((args, kwargs)))
+    cuda = any(t.is_cuda for t in tensors_in((args, kwargs)))
     times = []
     for _ in range(repeats):
         if cuda:
@@ -267,7 +269,7 @@ def profile(
             out = function(*args, **kwargs)
     # The returned storages, each with the op that made it (by the latest maker of its key: a key is
     # an address, and an address freed earlier in the forward may have been reused since).
-    returned = {(mode.maker[key], key) for key in _storage_keys(_tensors(out)) if key in mode.maker}
+    returned = {(mode.maker[key], key) for key in storage_keys(tensors_in(out)) if key in mode.maker}
     ops = tuple(
         OpRecord(
             index=i,
@@ -280,7 +282,7 @@ def profile(
         )
         for i, (func, nbytes, cost_i, rerun) in enumerate(mode.rows)
     )
-    inputs = _unique_storages(_tensors((args, kwargs)))
+    inputs = _unique_storages(tensors_in((args, kwargs)))
     input_bytes = sum(t.untyped_storage().nbytes() for t in inputs)
     return Profile(function, ops, input_bytes, "FLOPs" if cost == "flops" else "seconds")
 
@@ -504,6 +506,29 @@ def plan(
     return solve([profile(function, *args, cost=cost, **kwargs)], budget, method)
 
 
+def profile_sequential(
+    functions: Sequence[Callable[[torch.Tensor], torch.Tensor]], input: torch.Tensor, cost: str = "flops"
+) -> tuple[Profile, ...]:
+    """One profile per function of a chain (e.g. per block of a stack), each on its real input."""
+    profiles = []
+    x = input
+    for function in functions:
+        profiles.append(profile(function, x, cost=cost))
+        # The next block's profile needs this block's output; no graph is kept.
+        with torch.no_grad(), fork_rng(tensor_devices(x)):
+            x = function(x)
+        # In the real run a block boundary requires grad (it depends on parameters): profile it so.
+        x = x.detach().requires_grad_(x.is_floating_point())
+    return tuple(profiles)
+
+
+def budget_range(profiles: Sequence[Profile]) -> tuple[int, int]:
+    """The smallest budget (the regions' inputs: plain checkpointing) and the largest useful one
+    (every candidate kept as well); budgets beyond it buy nothing more."""
+    minimum = sum(p.input_bytes for p in profiles)
+    return minimum, minimum + sum(r.nbytes for p in profiles for r in p.candidates)
+
+
 def plan_sequential(
     functions: Sequence[Callable[[torch.Tensor], torch.Tensor]],
     input: torch.Tensor,
@@ -517,16 +542,7 @@ def plan_sequential(
     recompute one block at a time; the plan then spends what is left of the budget where it saves
     the most recomputation, across all blocks at once.
     """
-    profiles = []
-    x = input
-    for function in functions:
-        profiles.append(profile(function, x, cost=cost))
-        # The next block's profile needs this block's output; no graph is kept.
-        with torch.no_grad(), fork_rng(tensor_devices(x)):
-            x = function(x)
-        # In the real run a block boundary requires grad (it depends on parameters): profile it so.
-        x = x.detach().requires_grad_(x.is_floating_point())
-    return solve(profiles, budget, method)
+    return solve(profile_sequential(functions, input, cost=cost), budget, method)
 
 
 def frontier(

@@ -45,6 +45,7 @@ __all__ = [
     "Decision",
     "OpContext",
     "Policy",
+    "is_view",
     "must_rerun",
     "save_ops",
     "selective_checkpoint",
@@ -122,18 +123,34 @@ def _decision(answer: Any, op: Any, index: int) -> Decision:
     )
 
 
-def _storage_ids(tensors: Sequence[torch.Tensor]) -> set[int]:
-    return {t.untyped_storage()._cdata for t in tensors if t.layout == torch.strided}
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors among the leaves of a (nested) structure of arguments or outputs."""
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """The identity of the storage behind ``tensor`` (an address: unique among live storages)."""
+    return tensor.untyped_storage()._cdata
+
+
+def storage_keys(tensors: Sequence[torch.Tensor]) -> set[int]:
+    return {storage_key(t) for t in tensors if t.layout == torch.strided}
+
+
+def is_view(op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> bool:
+    """Does a non-mutating op return an alias of one of its inputs (``t``, ``view``, ``expand``)?"""
+    outputs = storage_keys(tensors_in(out))
+    return not op._schema.is_mutable and bool(outputs & storage_keys(tensors_in((args, kwargs))))
 
 
 def must_rerun(op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> bool:
-    """True for ops a recomputation must run again whatever the policy says: in-place, view, random."""
+    """True for ops a recomputation must run again whatever the policy says: in-place, view, random.
+
+    (And ops that return no tensor: there is nothing to keep.)
+    """
     if op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags:
         return True
-    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-    # An output that shares an input's storage is a view (or an out= result): it must alias the re-run.
-    return not outputs or bool(_storage_ids(outputs) & _storage_ids(inputs))
+    return not tensors_in(out) or is_view(op, args, kwargs, out)
 
 
 @dataclass

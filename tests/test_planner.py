@@ -18,10 +18,12 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ckpt_lab import CheckpointError, measure_memory
 from ckpt_lab.planner import (
     CostCounter,
+    budget_range,
     op_cost,
     plan,
     plan_sequential,
     profile,
+    profile_sequential,
     solve_brute_force,
     solve_dp,
     solve_greedy,
@@ -111,18 +113,24 @@ def _grads(blocks, x, forward, seed=1):
     return [t.grad.clone() for t in _leaves(blocks, x)]
 
 
-def _limits(profiles):
-    minimum = sum(p.input_bytes for p in profiles)
-    maximum = minimum + sum(r.nbytes for p in profiles for r in p.candidates)
-    return minimum, maximum
+def _limits(blocks, x):
+    return budget_range(profile_sequential(blocks, x))
+
+
+def test_budget_range_is_plain_checkpointing_to_keeping_every_candidate():
+    blocks, x = _mlp()
+    minimum, maximum = _limits(blocks, x)
+    # Three blocks, three inputs of x's size; the largest budget is what an unlimited plan keeps.
+    assert minimum == 3 * x.nbytes
+    assert maximum == plan_sequential(blocks, x, budget=10**12).retained_bytes
+    assert plan_sequential(blocks, x, budget=maximum).saved == plan_sequential(blocks, x, budget=10**12).saved
 
 
 @pytest.mark.parametrize("method", ["dp", "greedy"])
 @pytest.mark.parametrize("fraction", [0.0, 0.2, 0.5, 1.0])
 def test_planned_stack_meets_budget_prediction_and_gradients(method, fraction):
     blocks, x = _mlp()
-    full = plan_sequential(blocks, x, budget=10**12, method=method)
-    minimum, maximum = _limits(full.profiles)
+    minimum, maximum = _limits(blocks, x)
     budget = int(minimum + fraction * (maximum - minimum))
     p = plan_sequential(blocks, x, budget=budget, method=method)
     assert p.retained_bytes <= budget
@@ -150,7 +158,7 @@ def test_planned_stack_meets_budget_prediction_and_gradients(method, fraction):
 
 def test_more_budget_never_costs_more_recomputation():
     blocks, x = _mlp()
-    minimum, maximum = _limits(plan_sequential(blocks, x, budget=10**12).profiles)
+    minimum, maximum = _limits(blocks, x)
     costs = [
         plan_sequential(blocks, x, budget=b).recompute_cost
         for b in range(minimum, maximum + 1, (maximum - minimum) // 8)
@@ -161,7 +169,7 @@ def test_more_budget_never_costs_more_recomputation():
 
 def test_minimum_budget_is_plain_checkpointing():
     blocks, x = _mlp(p=0.0)
-    p = plan_sequential(blocks, x, budget=_limits(plan_sequential(blocks, x, budget=10**12).profiles)[0])
+    p = plan_sequential(blocks, x, budget=_limits(blocks, x)[0])
     # Nothing kept but what costs no memory (each block's own output, kept by the next block anyway).
     assert all(
         r.nbytes == 0 for prof, s in zip(p.profiles, p.saved, strict=False) for r in prof.ops if r.index in s
@@ -256,7 +264,7 @@ def test_random_budgets_on_random_stacks():
     rng = random.Random(0)
     for _ in range(5):
         blocks, x = _mlp(depth=rng.randint(1, 4), width=rng.choice([16, 32]), p=rng.choice([0.0, 0.3]))
-        minimum, maximum = _limits(plan_sequential(blocks, x, budget=10**12).profiles)
+        minimum, maximum = _limits(blocks, x)
         budget = rng.randint(minimum, maximum)
         dp = plan_sequential(blocks, x, budget=budget)
         greedy = plan_sequential(blocks, x, budget=budget, method="greedy")

@@ -58,9 +58,12 @@ from ckpt_lab.batchnorm import skip_stats_update_in_recompute
 from ckpt_lab.offload import offload_to_cpu
 from ckpt_lab.planner import (
     CostCounter,
+    budget_range,
     plan,
     plan_sequential,
     profile,
+    profile_sequential,
+    solve,
     solve_brute_force,
     solve_dp,
     solve_greedy,
@@ -149,8 +152,8 @@ for kind, (b, c) in by_kind.items():
 #
 # ### A first draft (it falls short)
 #
-# `DraftSelective` keeps what the policy says, and serves it back in order. It is about twenty lines
-# and shows the mechanism; below it is the number that shows where it breaks.
+# `DraftSaveMode` keeps what the policy says, `DraftServeMode` serves it back in order. About twenty lines,
+# they show the mechanism; below them are the numbers that show where it breaks.
 
 
 # %%
@@ -237,11 +240,33 @@ print(f"gradient elements that differ: {(draft[0] != plain[0]).sum().item()} of 
 # %% [markdown]
 # Wrong, silently. The recomputation restores the forward's RNG state, then *skips* the first
 # `rand_like` (it is served from the cache), so the generator is not advanced and the second
-# `rand_like` draws the numbers the first one drew in the forward. The same trap waits for any op
-# that must run for its side effect: an in-place op (`relu_`) modifies its input, and serving a
-# cached copy leaves the re-run's input unmodified; a view must alias the re-run's tensor, not a
-# cached one. And a cached tensor that a later op fills in place (`empty_like` before `bernoulli_`
-# in dropout) is not the op's output any more.
+# `rand_like` draws the numbers the first one drew in the forward.
+#
+# The same trap waits for any op that must run for its side effect. An in-place op modifies its
+# input; serve a cached copy instead, and the re-run's input stays unmodified. Here `h.mul_(2)`'s
+# return value is ignored, as it usually is, and `h` is what the next op uses:
+
+
+# %%
+def in_place(v):
+    h = v.sin()
+    h.mul_(2)
+    return h * h
+
+
+def keep_mul_(op):
+    return op.overloadpacket is torch.ops.aten.mul_
+
+
+plain_inplace = grads_of(lambda: in_place(v), [v])
+draft_inplace = grads_of(lambda: draft_selective(in_place, v, keep_mul_), [v])
+print("draft, keep mul_ == no checkpointing:", same(draft_inplace, plain_inplace))
+print(f"gradient elements that differ: {(draft_inplace[0] != plain_inplace[0]).sum().item()} of {v.numel()}")
+
+# %% [markdown]
+# A view must likewise alias the re-run's tensor, not a cached one; and a cached tensor that a
+# later op fills in place (`empty_like` before `bernoulli_` in dropout) is not the op's output any
+# more.
 #
 # ### The package's version
 #
@@ -260,6 +285,15 @@ show_source(_ServeMode)
 
 # %%
 show_source(selective_checkpoint)
+
+# %% [markdown]
+# The in-place case with the package: `mul_` runs again, whatever the policy says.
+
+# %%
+ours_inplace = grads_of(
+    lambda: selective_checkpoint(in_place, v, policy=lambda ctx, op, *a, **k: keep_mul_(op)), [v]
+)
+print("ckpt_lab.selective_checkpoint, keep mul_ == no checkpointing:", same(ours_inplace, plain_inplace))
 
 # %% [markdown]
 # The same two-draw function, the same policy, now in torch's signature:
@@ -376,7 +410,7 @@ except CheckpointError as error:
 #
 # Two solvers: the greedy one keeps the best cost per byte first (fast, not always optimal), the
 # dynamic program is exact, and runs in `items × capacity / g` steps where `g` is the greatest
-# common divisor of the sizes (tensor sizes share large factors, so that is small).
+# common divisor of the sizes.
 
 # %%
 show_source(solve_greedy)
@@ -425,8 +459,10 @@ print(f"DP optimal in {agree}/300; greedy below the optimum in {greedy_worse}/30
 show_source(planner_module.Plan, start="def __call__", stop="def torch_context_fn")
 
 # %% [markdown]
-# Four transformer blocks; budgets from the minimum (the four block inputs) up to keeping every
-# candidate. For each: the plan's predicted memory and recompute FLOPs, and the measured ones.
+# Four transformer blocks, profiled once (`profile_sequential`); budgets from the minimum (the four
+# block inputs: plain checkpointing) up to keeping every candidate (`budget_range`), each solved in
+# milliseconds (`solve`). For each: the plan's predicted memory and recompute FLOPs, and the
+# measured ones.
 # The measured memory is `measure_memory`'s retained bytes, converted to the budget's terms (plus
 # the first input, which it does not count because it was made before the call; minus the output
 # and the loss, which are not activations).
@@ -446,11 +482,12 @@ def run_stack(v):
     return v
 
 
-full = plan_sequential(blocks, x, budget=2**40)
-minimum = sum(p.input_bytes for p in full.profiles)
-maximum = full.retained_bytes
+profiles = profile_sequential(blocks, x)
+minimum, maximum = budget_range(profiles)
 print(f"minimum budget {minimum / 1024:.0f} KiB (block inputs), everything kept {maximum / 1024:.0f} KiB")
 stack_expected = grads_of(lambda: run_stack(x), stack_leaves)
+with torch.no_grad():
+    OUTPUT_BYTES = run_stack(x).nbytes
 stack_base = step_cost(lambda: run_stack(x))
 
 rows = []
@@ -461,9 +498,10 @@ print(
 for fraction in (0.0, 0.1, 0.25, 0.5, 1.0):
     budget = int(minimum + fraction * (maximum - minimum))
     for method in ("dp", "greedy"):
-        p = plan_sequential(blocks, x, budget=budget, method=method)
-        # + the first input; - the output (the same shape as x) and the scalar loss.
-        measured = retained(lambda p=p: p(x)) + x.nbytes - x.nbytes - 4
+        p = solve(profiles, budget, method)
+        # measure_memory counts what the forward made and kept: not the first input (made before;
+        # the checkpoint keeps it, so add it), but the final output and the 4-byte loss (take them out).
+        measured = retained(lambda p=p: p(x)) + x.nbytes - OUTPUT_BYTES - 4
         cost = step_cost(lambda p=p: p(x)) - stack_base
         ok = same(grads_of(lambda p=p: p(x), stack_leaves), stack_expected)
         assert measured == p.retained_bytes <= budget and cost == p.recompute_cost and ok
@@ -550,7 +588,7 @@ _ = blocks[2].train()
 #   backward each block's recomputation adds its own tensors on top, one block at a time.
 #   Checkmate (Jain et al., MLSys 2020) models the whole schedule — which tensor is alive at every
 #   step of forward *and* backward — as an integer linear program, and so bounds the true peak; it
-#   is optimal but needs an ILP solver and minutes for large graphs. Our knapsack is the special
+#   is optimal but needs an integer-programming solver. Our knapsack is the special
 #   case "one recomputation per region, everything before the backward".
 # * **Ahead of time, fixed shapes.** The plan is made once, from one profiled run. Dynamic Tensor
 #   Rematerialization (Kirisame et al., ICLR 2021) decides *online*: when memory runs out, it evicts
@@ -601,17 +639,25 @@ for name, pts in points.items():
         f"checkpointing's memory and removes {1 - sac.recompute_flops / block_ckpt.recompute_flops:.1%} "
         "of per-block checkpointing's recomputation"
     )
+    # The planner, given exactly what SAC and sqrt(N) keep: on the frontier means it does no better.
+    planner_profiles = bench.planner_range(workloads[name].blocks, workloads[name].input).profiles
+    for other in (sac, by["sqrt(N)"]):
+        best = solve(planner_profiles, other.retained_bytes).recompute_cost
+        print(
+            f"  {other.strategy}: {other.recompute_flops / 1e9:.4f} GFLOP recomputed; the planner with the "
+            f"same memory: {best / 1e9:.4f}"
+        )
 
 # %% [markdown]
 # Reading the picture:
 #
 # * **The frontier is a staircase** with a cliff. On the transformer, the first ~50 MiB above
 #   plain checkpointing buy almost all of the recomputation back: that is where the matmul outputs
-#   go. "Save the matmuls" (torch's SAC and ours, on top of each other) sits exactly at the foot of
-#   the cliff — a good rule of thumb is a point the planner also finds.
+#   go. "Save the matmuls" (torch's SAC and ours, on top of each other) sits at the foot of the
+#   cliff, and on the frontier: given the same memory, the planner recomputes no less.
 # * **√N segments** is off the frontier here. With 4 blocks it makes 2 segments and leaves the last
 #   one unchecked; it shines on long chains of equal blocks (notebook 02's 36-layer stack), not on
-#   four large ones, where choosing *inside* the blocks does better for the same memory.
+#   four large ones, where choosing *inside* the blocks recomputes far less for the same memory.
 # * **The planner's top end** is not "no checkpointing": every block stays a checkpoint, so to
 #   recompute nothing it would have to keep outputs autograd itself would not save (the planner's
 #   last point keeps more memory than no checkpointing and still re-runs dropout and views). The
@@ -625,7 +671,10 @@ for name, pts in points.items():
 #
 # Instead of recomputing a saved tensor, move it to host memory in the forward and back in backward:
 # no FLOPs, but bytes over the PCIe bus twice (with pinned memory and non-blocking copies the copy
-# can overlap compute). `ckpt_lab.offload.offload_to_cpu` is a `saved_tensors_hooks`. On this
+# can overlap compute). Notebook 03 drafted this hook and read torch's `save_on_cpu`;
+# `ckpt_lab.offload.offload_to_cpu` is the package's version: pinned, non-blocking copies on CUDA,
+# leaves that require grad left where they are (their `AccumulateGrad` node keeps them alive
+# anyway), and byte counts. On this
 # CPU-only machine there is no device memory to free, so `include_cpu_tensors=True` runs the same
 # path as a dry run (CPU → separate CPU buffer → back) to count what would move.
 
@@ -700,19 +749,22 @@ variants = {
 }
 ref_count, ref_mean, ref_grads = one_step(variants["no checkpointing"])
 print(
-    f"{'':<30} {'batches tracked':>15} {'running_mean ok':>15} {'with fix':>9} {'mean ok':>8} {'grads ok':>8}"
+    f"{'':<30} {'batches':>7} {'mean / plain':>12} {'grads ok':>8} | "
+    f"fixed: {'batches':>7} {'mean ok':>7} {'grads ok':>8}"
 )
 for name, wrap in variants.items():
-    count, mean, _ = one_step(wrap)
+    count, mean, grads = one_step(wrap)
     fixed_count, fixed_mean, fixed_grads = one_step(wrap, fix=True)
+    # The running mean starts at 0, so each update moves it by a fixed fraction of the batch mean.
+    ratio = (mean / ref_mean).mean().item()
     print(
-        f"{name:<30} {count:>15} {torch.equal(mean, ref_mean)!s:>15} {fixed_count:>9} "
-        f"{torch.equal(fixed_mean, ref_mean)!s:>8} {same(fixed_grads, ref_grads)!s:>8}"
+        f"{name:<30} {count:>7} {ratio:>12.2f} {same(grads, ref_grads)!s:>8} | "
+        f"{fixed_count:>14} {torch.equal(fixed_mean, ref_mean)!s:>7} {same(fixed_grads, ref_grads)!s:>8}"
     )
 
 # %% [markdown]
-# Every checkpoint counts two batches and moves the running mean twice as far; the gradients are
-# unaffected (training mode normalises with the batch's own statistics), so nothing fails — the
+# Every checkpoint counts two batches and moves the running mean 1.9 times as far (0.1 of the batch
+# mean, then 0.1 more of what is left: 0.19); the gradients are unaffected (training mode normalises with the batch's own statistics), so nothing fails — the
 # model just evaluates worse later. `skip_stats_update_in_recompute` hooks every BatchNorm module:
 # a forward that runs *inside backward* is a recomputation, and for its duration the module's
 # buffers are swapped for scratch copies.
