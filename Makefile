@@ -10,7 +10,7 @@ LAB_FLAGS := $(if $(filter 0,$(shell id -u)),--allow-root) \
 	$(if $(or $(DISPLAY),$(WAYLAND_DISPLAY),$(filter Darwin,$(shell uname -s))),,--no-browser)
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
 
-.PHONY: setup lab test lint unit nbval notebooks check-dot check-python clean
+.PHONY: setup lab test lint unit nbval notebooks bench pareto check-dot check-python clean
 
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.json
 
@@ -64,6 +64,15 @@ notebooks: setup
 	cd notebooks && for py in src/$(NB)*.py; do ../$(BIN)/jupytext --quiet --to ipynb --update --output "$$(basename "$${py%.py}").ipynb" "$$py" || exit 1; done
 	CKPT_LAB_SAVE_IMAGES=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 	  --ExecutePreprocessor.kernel_name=python3 --ExecutePreprocessor.timeout=600 notebooks/$(NB)*.ipynb
+
+## bench: the full benchmark (about 9 minutes on 2 cores); rewrites bench/results.json and the README's plots
+## (python -m ckpt_lab.bench [--quick] alone writes to results/, which git ignores)
+bench: setup
+	$(BIN)/python -m ckpt_lab.bench --refresh-readme
+
+## pareto: the memory/recompute frontier (about a minute); rewrites images/05_pareto.png
+pareto: setup
+	$(BIN)/python -m ckpt_lab.bench.pareto --refresh-readme
 
 clean:
 	rm -rf $(VENV)

@@ -39,6 +39,40 @@ __all__ = ["StatsHooks", "in_backward", "skip_stats_update_in_recompute"]
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
+def skip_stats_update_in_recompute(module: nn.Module) -> StatsHooks:
+    """Hook every BatchNorm in ``module`` (itself included) so that its running statistics and
+    ``num_batches_tracked`` are updated once per step under checkpointing, as without it.
+
+    A forward running inside backward (see ``in_backward``) gets scratch copies of the three buffers
+    to write into; the real ones are put back when it returns *or raises* (a non-reentrant checkpoint
+    stops its recomputation early by raising an exception, possibly inside a BatchNorm). Eval mode
+    and forwards outside backward are left alone. Returns an object whose ``remove()`` unhooks all.
+    """
+    hooks = StatsHooks()
+
+    def pre_hook(bn: nn.Module, args: tuple[Any, ...]) -> None:
+        # Eval mode and track_running_stats=False never write the buffers: nothing to protect.
+        if not (in_backward() and bn.training and bn.track_running_stats):
+            return
+        real = {name: getattr(bn, name) for name in _STATS if getattr(bn, name) is not None}
+        hooks.stashed[id(bn)] = real
+        for name, buffer in real.items():
+            # Copies, not empty tensors: with momentum=None the factor is 1 / num_batches_tracked,
+            # and the same shape, dtype and device mean the recomputation saves what the forward saved.
+            setattr(bn, name, buffer.clone())
+
+    def post_hook(bn: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        # Registered with always_call=True: runs even when the forward raised.
+        for name, buffer in hooks.stashed.pop(id(bn), {}).items():
+            setattr(bn, name, buffer)
+
+    for submodule in module.modules():
+        if isinstance(submodule, _BatchNorm):
+            hooks.handles.append(submodule.register_forward_pre_hook(pre_hook))
+            hooks.handles.append(submodule.register_forward_hook(post_hook, always_call=True))
+    return hooks
+
+
 def in_backward() -> bool:
     """Whether this code runs inside a backward pass, i.e. in the autograd engine's graph task.
 
@@ -75,35 +109,3 @@ class StatsHooks:
         self.remove()
 
 
-def skip_stats_update_in_recompute(module: nn.Module) -> StatsHooks:
-    """Hook every BatchNorm in ``module`` (itself included) so that its running statistics and
-    ``num_batches_tracked`` are updated once per step under checkpointing, as without it.
-
-    A forward running inside backward (see ``in_backward``) gets scratch copies of the three buffers
-    to write into; the real ones are put back when it returns *or raises* (a non-reentrant checkpoint
-    stops its recomputation early by raising an exception, possibly inside a BatchNorm). Eval mode
-    and forwards outside backward are left alone. Returns an object whose ``remove()`` unhooks all.
-    """
-    hooks = StatsHooks()
-
-    def pre_hook(bn: nn.Module, args: tuple[Any, ...]) -> None:
-        # Eval mode and track_running_stats=False never write the buffers: nothing to protect.
-        if not (in_backward() and bn.training and bn.track_running_stats):
-            return
-        real = {name: getattr(bn, name) for name in _STATS if getattr(bn, name) is not None}
-        hooks.stashed[id(bn)] = real
-        for name, buffer in real.items():
-            # Copies, not empty tensors: with momentum=None the factor is 1 / num_batches_tracked,
-            # and the same shape, dtype and device mean the recomputation saves what the forward saved.
-            setattr(bn, name, buffer.clone())
-
-    def post_hook(bn: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        # Registered with always_call=True: runs even when the forward raised.
-        for name, buffer in hooks.stashed.pop(id(bn), {}).items():
-            setattr(bn, name, buffer)
-
-    for submodule in module.modules():
-        if isinstance(submodule, _BatchNorm):
-            hooks.handles.append(submodule.register_forward_pre_hook(pre_hook))
-            hooks.handles.append(submodule.register_forward_hook(post_hook, always_call=True))
-    return hooks

@@ -1,4 +1,4 @@
-"""Stage 1: why a custom ``autograd.Function``'s outputs require grad although ``forward`` ran without grad.
+"""Why a custom ``autograd.Function``'s outputs require grad although ``forward`` ran without grad.
 
 Introduced in notebook 01.
 
@@ -12,9 +12,10 @@ Introduced in notebook 01.
    differentiable output gets the Function's backward node as its ``grad_fn``, and so
    ``requires_grad=True``.
 
-This module holds seed 002's ``LinearFunction`` (typos fixed), which records what it sees inside
-``forward``, and ``predict_requires_grad``, a pure-Python model of rule 3 that the tests check
-against torch over random cases.
+This module holds ``LinearFunction``, the custom-Function tutorial's example as the PyTorch forum
+thread "Tensor.requires_grad in torch.autograd.Function" quotes it, made to record what it sees
+inside ``forward``; and ``predict_requires_grad``, a pure-Python model of rule 3 that the tests
+check against torch over random cases.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class ForwardObservation:
 
 
 class LinearFunction(torch.autograd.Function):
-    """``y = x @ W.T + b`` with a hand-written backward (seed 002, from the PyTorch docs' tutorial).
+    """``y = x @ W.T + b`` with a hand-written backward (from the PyTorch custom-Function tutorial).
 
     ``forward`` appends a ``ForwardObservation`` to ``LinearFunction.observations`` instead of
     printing, so that a notebook can show and assert what happened inside.

@@ -49,6 +49,37 @@ class CheckpointError(RuntimeError):
     """The recomputation did not reproduce the forward: its tensors would give wrong gradients."""
 
 
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    preserve_rng_state: bool = True,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``function(*args, **kwargs)``, keeping only its inputs; backward recomputes the activations.
+
+    Like ``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)``.
+    ``preserve_rng_state=False`` skips the RNG snapshot: only safe if ``function`` draws no random
+    numbers (no dropout), or if different ones in the recomputation are acceptable.
+    ``context_fn``, as torch's: returns a pair of context managers, the first entered around the
+    forward, the second around each recomputation (``selective_checkpoint`` plugs in here, and so
+    does torch's ``create_selective_checkpoint_contexts``).
+    Containers among the arguments (lists, tuples, dicts) are rebuilt for the recomputation from
+    their contents at call time, so the re-run sees them as the forward did even if the caller
+    mutated them since; torch passes the caller's objects again.
+    """
+    if not torch.is_grad_enabled():
+        # No graph will be built, so there is nothing to save and nothing to recompute.
+        return function(*args, **kwargs)
+    forward_context, recompute_context = context_fn() if context_fn else (contextlib.nullcontext(), None)
+    # Snapshot RNG and autocast before the block draws its first random number.
+    replay = ReplayState.capture(args, kwargs, preserve_rng_state=preserve_rng_state)
+    # Built (and its inputs saved) before our hooks are installed, so they don't swallow the inputs.
+    frame = _Frame(function, args, kwargs, replay, recompute_context)
+    with saved_tensors_hooks(_pack_to_handle(frame), _unpack_from_handle(frame)), forward_context:
+        return function(*args, **kwargs)
+
+
 class _StopRecomputation(Exception):
     """Raised inside the re-run once every tensor backward still needs has been recomputed."""
 
@@ -143,6 +174,10 @@ def _pack_to_handle(frame: _Frame) -> Callable[[torch.Tensor], _Handle]:
         frame.metas.append(_Meta.of(tensor))
         return handle
 
+    # The protocol of checkpoints whose backward re-runs the region and matches saved tensors by
+    # position: a gradient_checkpoint_scope opened inside the region sees this flag and does nothing
+    # (see NOTE [ A scope inside a checkpoint ] in ckpt_lab/scope.py). A copy of this file keeps it.
+    pack.recomputes_region = True  # type: ignore[attr-defined]
     return pack
 
 
@@ -177,7 +212,7 @@ def _unpack_from_handle(frame: _Frame) -> Callable[[_Handle], torch.Tensor]:
     return unpack
 
 
-def _mismatch(index: int, saved: _Meta | None, recomputed: _Meta) -> CheckpointError:
+def _saved_tensor_mismatch(index: int, saved: _Meta | None, recomputed: _Meta) -> CheckpointError:
     """The error for a recomputed tensor that is not the one the forward saved at ``index``."""
     forward = f"saved {saved}" if saved is not None else "saved nothing there"
     return CheckpointError(
@@ -200,7 +235,7 @@ def _recompute(frame: _Frame, task: int) -> None:
         saved = frame.metas[index] if index < len(frame.metas) else None
         # The determinism check: a different tensor at this position would mean wrong gradients.
         if recomputed != saved:
-            raise _mismatch(index, saved, recomputed)
+            raise _saved_tensor_mismatch(index, saved, recomputed)
         # Detached: the handle must keep the value alive, not the recomputed graph around it.
         value = tensor.detach()
         if handles[index] is not None:
@@ -209,6 +244,10 @@ def _recompute(frame: _Frame, task: int) -> None:
             raise _StopRecomputation
         # The recomputed graph keeps its own saved tensors; it dies when the re-run returns.
         return value
+
+    # The re-run is the region too: a scope opened in it must do nothing here either (a re-run
+    # outside backward, for ``grad_fn._saved_result``, is not inside backward).
+    pack.recomputes_region = True  # type: ignore[attr-defined]
 
     # Unpack the inputs first: for a nested checkpoint this runs the enclosing one's re-run.
     args, kwargs = frame.inputs()
@@ -229,38 +268,3 @@ def _recompute(frame: _Frame, task: int) -> None:
     )
 
 
-def checkpoint(
-    function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True, **kwargs: Any
-) -> Any:
-    """``function(*args, **kwargs)``, keeping only its inputs; backward recomputes the activations.
-
-    Like ``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)``.
-    ``preserve_rng_state=False`` skips the RNG snapshot: only safe if ``function`` draws no random
-    numbers (no dropout), or if different ones in the recomputation are acceptable.
-    Containers among the arguments (lists, tuples, dicts) are rebuilt for the recomputation from
-    their contents at call time, so the re-run sees them as the forward did even if the caller
-    mutated them since; torch passes the caller's objects again.
-    """
-    return _checkpoint(function, args, kwargs, preserve_rng_state=preserve_rng_state)
-
-
-def _checkpoint(
-    function: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
-    *,
-    preserve_rng_state: bool,
-    context_fn: Callable[[], tuple[Any, Any]] | None = None,
-) -> Any:
-    """``checkpoint``, plus torch's ``context_fn``: a pair of context managers entered around the
-    forward and around each recomputation (selective checkpointing, notebook 05, plugs in here)."""
-    if not torch.is_grad_enabled():
-        # No graph will be built, so there is nothing to save and nothing to recompute.
-        return function(*args, **kwargs)
-    forward_context, recompute_context = context_fn() if context_fn else (contextlib.nullcontext(), None)
-    # Snapshot RNG and autocast before the block draws its first random number.
-    replay = ReplayState.capture(args, kwargs, preserve_rng_state=preserve_rng_state)
-    # Built (and its inputs saved) before our hooks are installed, so they don't swallow the inputs.
-    frame = _Frame(function, args, kwargs, replay, recompute_context)
-    with saved_tensors_hooks(_pack_to_handle(frame), _unpack_from_handle(frame)), forward_context:
-        return function(*args, **kwargs)

@@ -33,19 +33,6 @@ __all__ = ["offload_to_cpu"]
 _Packed = tuple[torch.device, torch.Tensor] | torch.Tensor
 
 
-def _keeps_its_own_storage(tensor: torch.Tensor) -> bool:
-    """Whether offloading ``tensor`` could free nothing: it is (a view of) a leaf that requires grad.
-
-    Such a leaf -- a parameter, or an input created with ``requires_grad=True`` -- is held by its
-    ``AccumulateGrad`` node for as long as the graph lives, whether or not it is also saved. A CPU
-    copy would add two transfers and, in backward, a second accelerator copy beside the one still
-    alive. Views count too: ``Linear`` saves ``weight.t()``, which shares the parameter's storage.
-    (``save_on_cpu`` moves them anyway.)
-    """
-    base = tensor._base if tensor._base is not None else tensor
-    return base.is_leaf and base.requires_grad
-
-
 # Lower case: a context manager, named like torch's ``save_on_cpu``.
 class offload_to_cpu(saved_tensors_hooks):
     """Save the tensors autograd keeps for backward on the CPU; bring them back when backward needs them.
@@ -113,3 +100,18 @@ class offload_to_cpu(saved_tensors_hooks):
         self.bytes_returned += cpu.nbytes
         # copy=True: the CPU dry run copies too, so that it takes the same path as an accelerator.
         return cpu.to(device, non_blocking=self.pin_memory, copy=True)
+
+
+def _keeps_its_own_storage(tensor: torch.Tensor) -> bool:
+    """Whether offloading ``tensor`` could free nothing: it is (a view of) a leaf that requires grad.
+
+    Such a leaf -- a parameter, or an input created with ``requires_grad=True`` -- is held by its
+    ``AccumulateGrad`` node for as long as the graph lives, whether or not it is also saved. A CPU
+    copy would add two transfers and, in backward, a second accelerator copy beside the one still
+    alive. Views count too: ``Linear`` saves ``weight.t()``, which shares the parameter's storage.
+    (``save_on_cpu`` moves them anyway.)
+    """
+    base = tensor._base if tensor._base is not None else tensor
+    return base.is_leaf and base.requires_grad
+
+

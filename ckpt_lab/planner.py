@@ -40,21 +40,14 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
-from torch.utils.flop_counter import flop_registry
 
+from ckpt_lab._aten import op_info, storage_key, storage_keys, tensors_in
+
+# The cost model lives with the instruments (the benchmark counts with it too); importable from here.
+from ckpt_lab.instruments.flops import CostCounter, matmul_flops, op_cost
 from ckpt_lab.nonreentrant import CheckpointError
 from ckpt_lab.rng import fork_rng, tensor_devices
-from ckpt_lab.selective import (
-    RECOMPUTE,
-    SAVE,
-    Decision,
-    is_view,
-    must_rerun,
-    selective_checkpoint,
-    storage_key,
-    storage_keys,
-    tensors_in,
-)
+from ckpt_lab.selective import RECOMPUTE, SAVE, Decision, must_rerun, selective_checkpoint
 
 __all__ = [
     "CostCounter",
@@ -77,48 +70,37 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------------------- costs
-def op_cost(op: Any, args: Any, kwargs: Any, out: Any) -> int:
-    """FLOPs of one op: torch's count for matmul-like ops, one per output element for the rest.
+# ----------------------------------------------------------------- entry points: profile, solve, plan
+def plan(
+    function: Callable[..., Any],
+    *args: Any,
+    budget: int,
+    method: str = "dp",
+    cost: str = "flops",
+    **kwargs: Any,
+) -> Plan:
+    """Profile ``function(*args, **kwargs)`` and choose what to keep within ``budget`` bytes.
 
-    torch.utils.flop_counter counts only matmuls, convolutions and attention; a planner that took
-    pointwise ops as free would never keep one, however large. Views and ignored ops cost 0.
+    The budget covers the tensors the checkpoint keeps between forward and backward: its inputs and
+    the outputs the plan keeps. ``plan(...)(*args, **kwargs)`` runs it.
     """
-    if op in SAC_IGNORED_OPS:
-        return 0
-    packet = op.overloadpacket
-    if packet in flop_registry:
-        return int(flop_registry[packet](*args, **kwargs, out_val=out))
-    # A view does no arithmetic.
-    if is_view(op, args, kwargs, out):
-        return 0
-    return sum(t.numel() for t in tensors_in(out))
+    return solve([profile(function, *args, cost=cost, **kwargs)], budget, method)
 
 
-def matmul_flops(op: Any, args: Any, kwargs: Any, out: Any) -> int:
-    """torch.utils.flop_counter's count alone (matmul-like ops; 0 for everything else)."""
-    packet = op.overloadpacket
-    return int(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0
+def plan_sequential(
+    functions: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    input: torch.Tensor,
+    budget: int,
+    method: str = "dp",
+    cost: str = "flops",
+) -> Plan:
+    """One region per function (e.g. per block of a stack), one budget for all of them.
 
-
-class CostCounter(TorchDispatchMode):
-    """Sum a per-op cost (``op_cost`` by default) over every op run while active (forward, backward
-    and recomputation alike).
-
-    With ``cost=matmul_flops`` it counts what ``count_flops`` counts, without ``FlopCounterMode``'s
-    module hooks: those run ``view_as`` inside each block, ops a plan was not profiled with.
+    Checkpointing per block keeps each block's input (the block boundaries) and lets backward
+    recompute one block at a time; the plan then spends what is left of the budget where it saves
+    the most recomputation, across all blocks at once.
     """
-
-    def __init__(self, cost: Callable[[Any, Any, Any, Any], int] = op_cost) -> None:
-        super().__init__()
-        self.cost = cost
-        self.total = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.total += self.cost(func, args, kwargs, out)
-        return out
+    return solve(profile_sequential(functions, input, cost=cost), budget, method)
 
 
 # ---------------------------------------------------------------------------------------- profile
@@ -201,7 +183,7 @@ class _ProfileMode(TorchDispatchMode):
             # input or the generator); they run in every recomputation whatever the plan, so leaving
             # them out shifts every plan's cost alike and changes no choice. Views cost nothing.
             cost = 0.0 if rerun else _seconds(func, args, kwargs, self.repeats)
-        for tensor in _written_args(func, args, kwargs):
+        for tensor in op_info(func).written(args, kwargs):
             if storage_key(tensor) in self.maker:
                 self.mutated.add(self.maker[storage_key(tensor)])
         for key in new:
@@ -210,22 +192,12 @@ class _ProfileMode(TorchDispatchMode):
         return out
 
 
-def _written_args(op: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
-    """The tensor arguments an op writes to (``self`` of ``add_``, ``out=`` arguments)."""
-    written = []
-    for i, argument in enumerate(op._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = kwargs[argument.name] if argument.name in kwargs else args[i] if i < len(args) else None
-        written += [t for t in tensors_in(value) if t.layout == torch.strided]
-    return written
-
-
 def _unique_storages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     seen: dict[int, torch.Tensor] = {}
     for t in tensors:
-        if t.layout == torch.strided:
-            seen.setdefault(storage_key(t), t)
+        key = storage_key(t)
+        if key is not None:
+            seen.setdefault(key, t)
     return list(seen.values())
 
 
@@ -490,22 +462,6 @@ def solve(profiles: Sequence[Profile], budget: int, method: str = "dp") -> Plan:
     return Plan(tuple(profiles), saved, budget, method)
 
 
-def plan(
-    function: Callable[..., Any],
-    *args: Any,
-    budget: int,
-    method: str = "dp",
-    cost: str = "flops",
-    **kwargs: Any,
-) -> Plan:
-    """Profile ``function(*args, **kwargs)`` and choose what to keep within ``budget`` bytes.
-
-    The budget covers the tensors the checkpoint keeps between forward and backward: its inputs and
-    the outputs the plan keeps. ``plan(...)(*args, **kwargs)`` runs it.
-    """
-    return solve([profile(function, *args, cost=cost, **kwargs)], budget, method)
-
-
 def profile_sequential(
     functions: Sequence[Callable[[torch.Tensor], torch.Tensor]], input: torch.Tensor, cost: str = "flops"
 ) -> tuple[Profile, ...]:
@@ -527,22 +483,6 @@ def budget_range(profiles: Sequence[Profile]) -> tuple[int, int]:
     (every candidate kept as well); budgets beyond it buy nothing more."""
     minimum = sum(p.input_bytes for p in profiles)
     return minimum, minimum + sum(r.nbytes for p in profiles for r in p.candidates)
-
-
-def plan_sequential(
-    functions: Sequence[Callable[[torch.Tensor], torch.Tensor]],
-    input: torch.Tensor,
-    budget: int,
-    method: str = "dp",
-    cost: str = "flops",
-) -> Plan:
-    """One region per function (e.g. per block of a stack), one budget for all of them.
-
-    Checkpointing per block keeps each block's input (the block boundaries) and lets backward
-    recompute one block at a time; the plan then spends what is left of the budget where it saves
-    the most recomputation, across all blocks at once.
-    """
-    return solve(profile_sequential(functions, input, cost=cost), budget, method)
 
 
 def frontier(

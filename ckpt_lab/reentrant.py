@@ -32,6 +32,30 @@ from ckpt_lab.rng import ReplayState
 __all__ = ["CheckpointFunction", "reentrant_checkpoint"]
 
 
+def reentrant_checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True) -> Any:
+    """``function(*args)``, storing only the inputs; the activations are recomputed in backward.
+
+    Like ``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)``.
+    ``preserve_rng_state=False`` skips the RNG snapshot: only safe if ``function`` draws no random
+    numbers (no dropout), or if different ones in the recomputation are acceptable.
+    """
+    if not torch.is_grad_enabled():
+        # No graph will be built, so there is nothing to save and nothing to recompute.
+        return function(*args)
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        # The autograd node only joins the graph through inputs that require grad; without one the
+        # outputs are plain constants and parameters inside ``function`` never see a gradient.
+        warnings.warn(
+            "reentrant_checkpoint: none of the tensor inputs requires grad, so the output will not "
+            "require grad and parameters used inside the function will get no gradient. Make an "
+            "input require grad (e.g. x.requires_grad_()), or use ckpt_lab.checkpoint (the "
+            "non-reentrant variant), which tracks parameters too.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return CheckpointFunction.apply(function, preserve_rng_state, *args)
+
+
 class CheckpointFunction(torch.autograd.Function):
     """``CheckpointFunction.apply(function, preserve_rng_state, *args)``: run ``function(*args)``
     keeping only the tensor inputs; recompute it during backward."""
@@ -101,25 +125,3 @@ class CheckpointFunction(torch.autograd.Function):
         return (None, None, *input_grads)
 
 
-def reentrant_checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True) -> Any:
-    """``function(*args)``, storing only the inputs; the activations are recomputed in backward.
-
-    Like ``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)``.
-    ``preserve_rng_state=False`` skips the RNG snapshot: only safe if ``function`` draws no random
-    numbers (no dropout), or if different ones in the recomputation are acceptable.
-    """
-    if not torch.is_grad_enabled():
-        # No graph will be built, so there is nothing to save and nothing to recompute.
-        return function(*args)
-    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-        # The autograd node only joins the graph through inputs that require grad; without one the
-        # outputs are plain constants and parameters inside ``function`` never see a gradient.
-        warnings.warn(
-            "reentrant_checkpoint: none of the tensor inputs requires grad, so the output will not "
-            "require grad and parameters used inside the function will get no gradient. Make an "
-            "input require grad (e.g. x.requires_grad_()), or use ckpt_lab.checkpoint (the "
-            "non-reentrant variant), which tracks parameters too.",
-            UserWarning,
-            stacklevel=2,
-        )
-    return CheckpointFunction.apply(function, preserve_rng_state, *args)

@@ -1,68 +1,19 @@
-"""A scope that names what to recompute: ``gradient_checkpoint_scope``.
+"""``gradient_checkpoint_scope``: every tensor created inside it is recomputed in backward.
 
-Introduced in notebook 04. Same semantics as RETURNN's
-``returnn.torch.util.gradient_checkpoint.gradient_checkpoint_scope``, written from scratch.
-
-``torch.utils.checkpoint`` (and ``ckpt_lab.checkpoint``) take a *function*: they store what goes in
-and what comes out, and recompute what lies between. This scope turns the question around and names
-what to *recompute*: every tensor created inside it::
+Same semantics as RETURNN's ``returnn.torch.util.gradient_checkpoint.gradient_checkpoint_scope``,
+written from scratch. Introduced in notebook 04, and read top to bottom in the order it tells::
 
     with gradient_checkpoint_scope():
         x = a + b
-    y = x * c        # autograd saves a small handle instead of x; backward re-runs a + b
+    y = x * c        # autograd saves a small reference instead of x; backward re-runs a + b
 
-With ``checkpoint(lambda a, b: a + b, a, b)``, ``x`` is the checkpoint's *output*, and ``x * c``
-saves it: it stays alive until backward. Here ``x`` itself is recomputed, so it is freed as soon as
-the user drops it.
+1. The entry point, and where a scope does nothing.
+2. Recording: ``_RecordingMode`` writes every aten op into a ``_Recording``, the scope's tape.
+3. Packing: ``_PackHook`` finds a scope tensor's recording by its storage, in ``_OWNERS``.
+4. Replay: ``_Replayer`` re-runs the tape once per backward, and checks what it recomputed.
+5. The resident hooks: how our pack hook outlives the ``with`` block, and how it is released.
 
-Three pieces:
-
-* ``_RecordingMode``, a ``TorchDispatchMode``, writes every aten op run inside the scope into a
-  ``_Recording``: the op, its arguments (tensors made in the scope by slot number, others by
-  reference) and its outputs' metadata. RNG state is captured once, when the scope opens.
-* ``_Pack``, a pack hook, recognises a tensor made in the scope by its *storage* (so views of it
-  count too, wherever they were made) and gives autograd a ``_Handle`` instead. The first unpack
-  replays the whole recording once, with the forward's RNG state inside a fork, and hands the
-  recomputed tensors out; each is dropped as soon as every handle that wanted it has it.
-* ``_ResidentHooks`` does the hard part: the hook must outlive the ``with`` block (``x * c`` above
-  runs after it), but the saved-tensors-hooks stack is thread-local and strictly LIFO, and every
-  ``saved_tensors_hooks.__exit__`` simply pops the top entry. So a scope that closes while its
-  tensors are alive takes the stack apart and rebuilds it: one *resident* entry of ours at the
-  bottom, every entry above it wrapped (scope tensors to us, the rest to the original hook). Each
-  enclosing context still pops exactly one entry, its own. When the last scope tensor dies, the
-  resident entry is taken out again and the wrappers unwrapped (the stack is exactly as if we had
-  never been there), but only at a *safe point*: on the owning thread, outside any hook, and outside
-  backward (the autograd engine restores the thread-local hooks stack after every node, silently
-  undoing any change made there). A death inside backward retries once backward has returned
-  (``_AfterBackward``); one on another thread waits for the owning thread's next safe point (a
-  scope tensor freed there, a scope opened or closed there). Nothing is monkey-patched.
-
-Costs and limitations:
-
-* Tensors from outside the scope that a replay reads (inputs, parameters) are kept by strong
-  reference until every handle and scope tensor is gone: an input nothing else keeps (``a`` in
-  ``a + b``, which ``add`` does not save) lives until backward. That includes tensors made by an
-  earlier scope and read by a later one (in a chain of scoped layers: the layer boundaries, which a
-  checkpoint stores too); see ``_Recording._add_input`` for why. Outside tensors written in place
-  inside the scope (BatchNorm running statistics, ``buf.add_(1)``) are copied once, before the first
-  write, so a replay writes into the copy; a large buffer costs its size.
-* A replay checks, and refuses with ``CheckpointError``, what would otherwise give silently wrong
-  gradients: an outside tensor modified in place since the scope read it, a scope tensor modified
-  in place after autograd saved it, recomputed outputs whose shape, strides, dtype or device differ.
-  Modifications through ``.data`` bypass version counters, here as in autograd.
-* Autocast is *off* during a replay: the dispatch level sits below autocast, so the recorded ops are
-  already cast. RNG: the default CPU generator and every device of an already initialised
-  accelerator are captured when the scope opens; an accelerator first initialised inside the scope
-  is replayed from its freshly seeded state. Explicit ``torch.Generator`` arguments are restored too.
-* Scopes nested on one thread act as one (the outer one already records everything). Inside a
-  checkpointed function (``torch.utils.checkpoint``, ``ckpt_lab.checkpoint``), inside backward,
-  inside a saved-tensor hook, or with grad disabled, the scope does nothing.
-* A ``saved_tensors_hooks`` entered *after* the scope closed is the innermost hook while it is
-  active, so scope tensors saved then go to it, not to us: the innermost hook wins, as always.
-* The resident entry normally goes as soon as the last scope tensor is freed, or right after the
-  backward in which that happened. If it is freed on another thread (or the engine drops its graph
-  task on a device thread, as it may on CUDA), the entry stays until the owning thread's next safe
-  point; until then it merely stores what it is given (and ``torch.compile`` would see a hook).
+The design notes sit next to the code they explain, as ``NOTE [ ... ]`` comments that the code cites.
 """
 
 from __future__ import annotations
@@ -70,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import types
 import weakref
 from collections import Counter
 from collections.abc import Iterator
@@ -77,6 +29,7 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch._C._autograd import (
     _pop_saved_tensors_default_hooks,
     _push_saved_tensors_default_hooks,
@@ -85,52 +38,439 @@ from torch._C._autograd import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ckpt_lab._aten import _OP_INFO, OpInfo, op_info, storage_of
 from ckpt_lab.nonreentrant import CheckpointError
 from ckpt_lab.rng import AutocastState, ReplayState, RNGState, device_initialised
 
 __all__ = ["gradient_checkpoint_scope"]
 
 
-# ---------------------------------------------------------------------------------------- op facts
-class _OpInfo(NamedTuple):
-    """What an aten op's schema says, looked up once per op."""
+# =================================================================================== 1. entry point
+@contextlib.contextmanager
+def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[None]:
+    """Every tensor created inside is recomputed in backward instead of being stored for it.
 
-    func: Any  # kept so that its id, our key, stays valid
-    # (position, name, marked) of each argument the op writes in place; marked: the schema says so
-    # (``Tensor(a!)``), and then autograd bumps the argument's version counter once the op returns.
-    writes: tuple[tuple[int, str, bool], ...]
-    fresh: tuple[bool, ...]  # per return: True if it is new memory, False if it aliases an argument
+    ``torch.utils.checkpoint`` takes a function and stores what goes in and what comes out: with
+    ``x = checkpoint(lambda a, b: a + b, a, b)``, ``x * c`` saves ``x``, alive until backward. Here
+    ``x`` itself is recomputed, so it is freed as soon as the user drops it.
+
+    ``preserve_rng_state=False`` skips the RNG snapshot: only safe if the scope draws no random
+    numbers, or if different ones in the recomputation are acceptable.
+    """
+    hooks = _ResidentHooks.of_this_thread()
+    # Where a scope does nothing (the with block simply runs):
+    if (
+        # nested in a scope on this thread: the outer one records everything already, they act as one;
+        hooks.open is not None
+        # inside one of our hooks or a replay: see NOTE [ Per-thread state ];
+        or _thread.in_hook
+        # with grad disabled: nothing will be saved, so there is nothing to recompute;
+        or not torch.is_grad_enabled()
+        # inside backward: the engine undoes any change to the hooks stack, see NOTE [ Safe points ];
+        or torch._C._current_graph_task_id() != -1
+        # inside a checkpointed region: see NOTE [ A scope inside a checkpoint ].
+        or _inside_a_checkpoint()
+    ):
+        yield
+        return
+    recording = _Recording(hooks, preserve_rng_state)
+    entry = hooks.open_scope(recording)
+    failed = True
+    try:
+        with _RecordingMode(recording):
+            yield
+        failed = False
+    finally:
+        hooks.close_scope(recording, entry, failed)
 
 
-# Ops that write into arguments their schema does not mark as written (``Tensor?`` not ``Tensor(a!)``):
-# in training mode they update the running statistics in place, without a version bump.
-_RUNNING_STATS = ((3, "running_mean", False), (4, "running_var", False))
-_UNMARKED_WRITES = {
-    torch.ops.aten.native_batch_norm: _RUNNING_STATS,
-    torch.ops.aten.cudnn_batch_norm: _RUNNING_STATS,
-    torch.ops.aten.miopen_batch_norm: _RUNNING_STATS,
-}
-# Keyed by id: an OpOverload's __hash__ is a Python method, too slow to call once per op.
-_OP_INFO: dict[int, _OpInfo] = {}
+class _ThreadState(threading.local):
+    # NOTE [ Per-thread state ]
+    # ``in_hook`` > 0 while one of our hooks runs on this thread, and with it any replay (a replay
+    # runs inside an unpack). Ops run then are not the forward's (save_on_cpu's copy in a hook we
+    # hand tensors to, the replay's own ops): they are not recorded, a scope opened then does
+    # nothing, and the hooks stack is not touched (exiting hooks from inside a hook can crash,
+    # pytorch/pytorch#130734). A count, not a flag: our hooks nest (an unpack we hand on to another
+    # hook may unpack through us again).
+    in_hook = 0
+    # This thread's resident hooks, made on first use (see section 5).
+    hooks: _ResidentHooks | None = None
 
 
-def _op_info(func: Any) -> _OpInfo:
-    info = _OP_INFO.get(id(func))
-    if info is None:
-        schema = func._schema
-        writes = tuple(
-            (i, arg.name, True)
-            for i, arg in enumerate(schema.arguments)
-            if arg.alias_info is not None and arg.alias_info.is_write
-        )
-        writes += _UNMARKED_WRITES.get(func.overloadpacket, ())
-        fresh = tuple(ret.alias_info is None for ret in schema.returns)
-        info = _OP_INFO[id(func)] = _OpInfo(func, writes, fresh)
-    return info
+_thread = _ThreadState()
+
+
+# NOTE [ A scope inside a checkpoint ]
+# Some checkpoints re-run their region in backward and match what the re-run saves to what the
+# forward saved, *by position*: torch.utils.checkpoint's non-reentrant checkpoint, ckpt_lab's
+# checkpoint, and any built like them. A scope inside such a region would make the forward save
+# other tensors than the re-run (inside backward a scope does nothing), and the checkpoint would
+# hand out the wrong tensors: silently wrong gradients. So inside their region a scope does
+# nothing; the checkpoint recomputes everything there anyway.
+#
+# Such a checkpoint is recognised by its pack hook, not by the name of the module that defines it
+# (a copied or renamed checkpoint would be missed):
+# * torch's, by the code objects of its two pack hooks (the forward's, defined in
+#   ``_checkpoint_hook.__init__``, and the re-run's, in ``_recomputation_hook.__init__``), read
+#   from torch once, here; the tests check that both are found;
+# * any other, by a protocol: a checkpoint whose backward re-runs its region and matches saved
+#   tensors by position sets ``recomputes_region = True`` on its pack hooks, the forward's and the
+#   re-run's (ckpt_lab's checkpoint does, and a copy of its file keeps it).
+def _pack_hook_codes(*hook_classes: str) -> frozenset[types.CodeType]:
+    """The code objects of the ``pack_hook`` functions defined in these classes' ``__init__``."""
+    codes = set()
+    for name in hook_classes:
+        init = getattr(getattr(torch_checkpoint, name, None), "__init__", None)
+        for const in getattr(getattr(init, "__code__", None), "co_consts", ()):
+            if isinstance(const, types.CodeType) and const.co_name == "pack_hook":
+                codes.add(const)
+    return frozenset(codes)
+
+
+_TORCH_CHECKPOINT_PACK_HOOKS = _pack_hook_codes("_checkpoint_hook", "_recomputation_hook")
+
+
+def _recomputes_region(pack: Any) -> bool:
+    """Whether ``pack`` is the pack hook of a checkpoint that re-runs its region in backward."""
+    # Through decorators (torch wraps its re-run's pack hook in torch._dynamo.disable), a few deep:
+    # a __wrapped__ chain may loop.
+    for _ in range(8):
+        if getattr(pack, "recomputes_region", False) is True:
+            return True
+        if getattr(pack, "__code__", None) in _TORCH_CHECKPOINT_PACK_HOOKS:
+            return True
+        pack = getattr(pack, "__wrapped__", None)
+        if pack is None:
+            return False
+    return False
+
+
+def _inside_a_checkpoint() -> bool:
+    """Whether such a checkpoint's pack hook is on this thread's stack, above our entries (it can't
+    be below them: a scope that closed above it, and so could have wrapped it, was inside its
+    region, where a scope does nothing)."""
+    if not _saved_tensors_hooks_is_enabled():
+        # We could not push back what we pop; and the scope's own push will fail anyway.
+        return False
+    popped = []
+    try:
+        while (top := _top()) is not None and not isinstance(top[0], _PackHook):
+            if _recomputes_region(top[0]):
+                return True
+            # Look below it (typically a save_on_cpu inside a checkpointed function).
+            _pop_saved_tensors_default_hooks()
+            popped.append(top)
+        return False
+    finally:
+        for pack, unpack in reversed(popped):
+            _push_saved_tensors_default_hooks(pack, unpack)
+
+
+# ========================================================================= 2. recording: the tape
+# NOTE [ Speed ]
+# The recording runs once per aten op of the forward, and the replay once per op it re-runs, so
+# both spare Python calls where they can. Each shortcut cites its letter:
+# (a) An op's schema facts are looked up in _aten's cache by id(func), without a call on a hit
+#     (an OpOverload's __hash__ is a Python method, and op_info() a Python call).
+# (b) tuple.__new__(_Op, ...) rather than _Op(...): a NamedTuple's __new__ is a Python function.
+# (c) One tensor returned, the common case, is handled without calling _outputs; and _outputs
+#     flattens by hand, without pytree's generic (and slower) traversal.
+# (d) type(x) is _Slot rather than isinstance(), and _resolve inlined where it runs once per
+#     argument of every replayed op.
+# (e) One shared empty dict (_NO_KWARGS) for ops called without keyword arguments.
+# (f) The per-tensor objects (_SlotRecord, _ScopeTensorRef, _Owner, ...) have __slots__; and _Owner
+#     is a weakref subclass: one object per storage, where weakref.finalize keeps a registry too.
+_NO_KWARGS: dict = {}
+
+
+class _RecordingMode(TorchDispatchMode):
+    """Records every aten op run inside the scope (below autograd: what the backend really ran)."""
+
+    def __init__(self, recording: _Recording) -> None:
+        super().__init__()
+        self.recording = recording
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or _NO_KWARGS  # See NOTE [ Speed ] (e).
+        if _thread.in_hook:
+            # Run by one of our hooks or a replay: not the forward's. See NOTE [ Per-thread state ].
+            return func(*args, **kwargs)
+        info = _OP_INFO.get(id(func)) or op_info(func)  # See NOTE [ Speed ] (a).
+        written = self._before_writes(info, args, kwargs) if info.writes else []
+        if kwargs:
+            self._note_generators(kwargs)
+        out = func(*args, **kwargs)
+        self.recording.record(func, info, args, kwargs, out, written)
+        return out
+
+    def _note_generators(self, kwargs: dict) -> None:
+        """Before an op runs: remember the state of an explicit generator it draws from."""
+        generators = self.recording.generators
+        for value in kwargs.values():
+            if isinstance(value, torch.Generator) and id(value) not in generators:
+                generators[id(value)] = (value, value.get_state())
+
+    def _before_writes(self, info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[_Slot, int]]:
+        """Before an op that writes in place runs: copy the outside tensors it is about to write to.
+
+        Returns (slot, version it will have after the op) for each tensor written.
+        """
+        written = []
+        for position, name, marked in info.writes:
+            value = args[position] if position < len(args) else kwargs.get(name)
+            for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(tensor, torch.Tensor):
+                    # The bump happens above us (ADInplaceOrView), after the op returns to autograd.
+                    written.append((self._before_write(tensor), tensor._version + marked))
+        return written
+
+    def _before_write(self, tensor: torch.Tensor) -> _Slot:
+        # See NOTE [ Outside tensors written in place ].
+        recording = self.recording
+        slot = recording.encode(tensor)
+        root = recording.slots[recording.slots[slot].root]
+        source = root.source
+        if isinstance(source, _Borrowed):
+            owner = _OWNERS.get(id(storage_of(source.tensor)))
+            if owner is not None and owner.recording is recording:
+                # Limitation: a replay would write into a copy, not into the scope tensor this aliases.
+                raise CheckpointError(
+                    "gradient_checkpoint_scope: an in-place write through an alias the scope did not "
+                    "create (.data?) into a tensor the scope did create cannot be replayed."
+                )
+            if source.tensor._version != source.version:
+                # Limitation: the copy would hold values the scope's earlier reads did not see.
+                raise CheckpointError(
+                    "gradient_checkpoint_scope: a tensor from outside the scope changed between the "
+                    "scope reading it and writing to it, by an op the scope did not see."
+                )
+            root.source = _Snapshot(source.tensor)
+        return slot
+
+
+class _Recording:
+    """One scope's tape (its ops, one ``_SlotRecord`` per tensor they touched, the generators they
+    drew from), and its lifetime: open or not, and which storages it created are still alive."""
+
+    def __init__(self, hooks: _ResidentHooks, preserve_rng_state: bool) -> None:
+        self.hooks = hooks
+        self.ops: list[_Op] = []
+        self.slots: list[_SlotRecord] = []
+        # While recording: id(tensor) -> (weakref, slot). Weak, or the scope would keep its tensors.
+        self.by_id: dict[int, tuple[weakref.ref, _Slot]] = {}
+        # id -> (generator, its state before the scope first drew from it).
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        # Keys of our entries in _OWNERS whose storages are alive. A set: add and discard are atomic,
+        # and storages die on any thread.
+        self.alive: set[int] = set()
+        self.open = True
+        # Captured once, before the scope's first op. See NOTE [ RNG and autocast in a replay ].
+        state, self.uninitialised = _capture_replay_state(preserve_rng_state)
+        # The replayer shares our lists but holds no reference back to us: we reference it, and a
+        # cycle would free the tape (and the inputs it keeps) only when the garbage collector runs.
+        self.replayer = _Replayer(self.ops, self.slots, self.generators, state)
+
+    def encode(self, value: Any) -> Any:
+        """An argument as the tape keeps it: each tensor becomes its slot."""
+        if isinstance(value, torch.Tensor):
+            entry = self.by_id.get(id(value))
+            # The weakref tells the tensor apart from a new one that got the id of a dead one.
+            return entry[1] if entry is not None and entry[0]() is value else self._add_input(value)
+        if type(value) in (list, tuple) and any(isinstance(v, torch.Tensor) for v in value):
+            return _Nested([self.encode(v) for v in value])
+        return value
+
+    def _add_input(self, tensor: torch.Tensor) -> _Slot:
+        """A slot for a tensor from outside the scope. See NOTE [ Inputs are kept, not recomputed ]."""
+        return self._add_slot(tensor, _Borrowed(tensor), None)
+
+    def _add_slot(self, tensor: torch.Tensor, source: Any, root: _Slot | None) -> _Slot:
+        slot = _Slot(len(self.slots))
+        self.slots.append(_SlotRecord(source, slot if root is None else root, None, None))
+        self.by_id[id(tensor)] = (weakref.ref(tensor), slot)
+        return slot
+
+    def record(
+        self, func: Any, info: OpInfo, args: tuple, kwargs: dict, out: Any, written: list[tuple[_Slot, int]]
+    ) -> None:
+        """After an op ran: append it, and give every new tensor it returned a slot."""
+        # See NOTE [ Speed ] (c).
+        outputs = ((out, info.fresh[0]),) if type(out) is torch.Tensor else _outputs(out, info.fresh)
+        if not outputs and not written:
+            # .item(), .equal() and the like: nothing a later op could read, nothing to replay.
+            return
+        args = tuple([self.encode(a) for a in args])
+        kwargs = {k: self.encode(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS
+        slots, metas = [], []
+        for tensor, fresh in outputs:
+            meta = _meta(tensor)
+            entry = self.by_id.get(id(tensor))
+            # In-place and out= ops return an argument: it keeps its slot.
+            known = entry is not None and entry[0]() is tensor
+            slots.append(entry[1] if known else self._add_output(tensor, fresh, args, meta))
+            metas.append(meta)
+        writes = ()
+        if written:
+            writes = tuple(slot for slot, _ in written)
+            for slot, version in written:
+                root = self.slots[self.slots[slot].root]
+                if root.version is not None:
+                    # Views share their base's version counter: this is the root's version after the op.
+                    root.version = version
+        # See NOTE [ Speed ] (b).
+        self.ops.append(tuple.__new__(_Op, (func, args, kwargs, tuple(slots), tuple(metas), writes)))
+
+    def _add_output(self, tensor: torch.Tensor, fresh: bool, args: tuple, meta: tuple) -> _Slot:
+        storage = storage_of(tensor) if fresh else None
+        owner = _OWNERS.get(id(storage))
+        if storage is not None and owner is None:
+            # New memory, what the scope exists for: register it so that the pack hook knows it.
+            # See NOTE [ Scope tensors are recognised by their storage ].
+            slot = _Slot(len(self.slots))
+            self.slots.append(_SlotRecord(None, slot, tensor._version, meta))
+            self.by_id[id(tensor)] = (weakref.ref(tensor), slot)
+            owner = _Owner(storage, _storage_died)
+            owner.key, owner.recording, owner.root = id(storage), self, slot
+            _OWNERS[owner.key] = owner
+            self.alive.add(owner.key)
+            return slot
+        # A view (or an alias the schema does not declare, like _unsafe_view): it lives in the storage
+        # of the slot that owns it, or else in that of the op's first tensor argument.
+        if owner is not None and owner.recording is self:
+            root = owner.root
+        else:
+            base = next((a for a in args if type(a) is _Slot), None)
+            root = None if base is None else self.slots[base].root
+        return self._add_slot(tensor, None, root)
+
+    def close(self, failed: bool) -> None:
+        """The scope's ``with`` block ended (``failed``: by an exception)."""
+        self.open = False
+        # Identities are only needed while ops are still being recorded.
+        self.by_id = {}
+        replayer = self.replayer
+        replayer.state = _with_accelerator_initialised_inside(replayer.state, self.uninitialised)
+        # Safety net for schemas that lie: an output we took for new memory but that shares an
+        # outside tensor's storage would keep this recording alive as long as that tensor lives.
+        borrowed = {id(storage_of(s.source.tensor)) for s in self.slots if isinstance(s.source, _Borrowed)}
+        for key in list(self.alive) if failed else self.alive & borrowed:
+            # After an exception no new references: scope tensors still alive are stored normally.
+            owner = _OWNERS.get(key)
+            if owner is not None and owner.recording is self:
+                del _OWNERS[key]
+            self.alive.discard(key)
+        if not self.alive:
+            self.hooks.live.discard(self)
+
+    def storage_released(self, key: int) -> None:
+        """A storage this scope created was freed (on any thread)."""
+        self.alive.discard(key)
+        if not self.alive and not self.open:
+            self.hooks.forget(self)
+
+
+# What the tape holds.
+class _Slot(int):
+    """A slot number of a recording. In a recorded op's arguments it stands for the slot's tensor (an
+    int of its own type, so that it can't be mistaken for an int argument; tested with
+    ``type(x) is _Slot``, see NOTE [ Speed ] (d))."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"_Slot({int(self)})"
+
+
+class _SlotRecord:
+    """What the tape knows of the tensor in one slot."""
+
+    __slots__ = ("meta", "root", "source", "version")
+
+    def __init__(self, source: Any, root: _Slot, version: int | None, meta: tuple | None) -> None:
+        # None for a tensor an op made, else how a replay gets it: _Borrowed, or _Snapshot once the
+        # scope wrote to it.
+        self.source = source
+        # The slot whose storage it lives in: itself for new memory and for inputs.
+        self.root = root
+        # For a slot owning new memory (else None): its version after the last recorded op, and
+        # its metadata (which tells a view of it that autograd saves from the tensor itself).
+        self.version = version
+        self.meta = meta
+
+
+class _Op(NamedTuple):
+    func: Any
+    args: tuple  # tensors replaced by their slots
+    kwargs: dict
+    outputs: tuple[_Slot, ...]  # the slot of each tensor it returned
+    metas: tuple[tuple, ...]  # and that tensor's metadata, for the replay's check
+    writes: tuple[_Slot, ...]  # slots it writes in place
+
+
+class _Nested(tuple):
+    """A list argument with tensors in it (``torch.cat([a, b])``), as the tape keeps it."""
+
+    __slots__ = ()
+
+    def resolve(self, values: list[Any]) -> list[Any]:
+        return [values[a] if type(a) is _Slot else a for a in self]
+
+
+# NOTE [ Inputs are kept, not recomputed ]
+# Tensors from outside the scope that a replay reads (inputs, parameters) are kept by strong
+# reference until every reference autograd holds and every scope tensor is gone: an input nothing
+# else keeps (``a`` in ``a + b``, which add does not save) lives until backward. That includes
+# tensors made by an earlier scope and read by a later one. A _ScopeTensorRef instead would make the
+# later replay start with the earlier scope's, which would hold all of *its* recomputed tensors
+# while backward goes through the later one, and so on down a chain of scoped layers: peak memory as
+# without any checkpointing. Kept, they are the layer boundaries a checkpoint stores too.
+class _Borrowed:
+    """A tensor from outside the scope that the replay reads: kept by reference, checked by version."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+
+    def materialize(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            # Limitation (1) of NOTE [ What a replay refuses ].
+            raise CheckpointError(
+                "gradient_checkpoint_scope: a tensor from outside the scope, read inside it, was modified "
+                f"in place before backward recomputed the scope (version {self.tensor._version}, read at "
+                f"version {self.version}; shape {list(self.tensor.shape)}). The recomputation would read "
+                "the new values and give wrong gradients. Modify it out of place, or after backward."
+            )
+        return self.tensor
+
+
+# NOTE [ Outside tensors written in place ]
+# An outside tensor written in place inside the scope (BatchNorm's running statistics, buf.add_(1))
+# must be updated exactly once, by the forward. So it is copied once, just before the first write
+# (_Snapshot), and each replay writes into a fresh copy of that copy; a large buffer costs its size.
+# Views of it made earlier are replayed as views of the copy, so they see the write too. Refused
+# with CheckpointError: a write through an alias the scope did not create (.data) into a tensor the
+# scope did create, and an outside tensor that changed, by an op the scope did not see, between the
+# scope reading it and writing to it.
+class _Snapshot:
+    """An input the scope writes to in place, copied just before the first write: each replay writes
+    into a copy of this copy, and the input itself is updated exactly once, by the forward."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.clone()
+
+    def materialize(self) -> torch.Tensor:
+        return self.tensor.clone()
 
 
 def _outputs(out: Any, fresh: tuple[bool, ...]) -> list[tuple[torch.Tensor, bool]]:
-    """The tensors an op returned, flat and in order, each with its ``fresh`` flag (no pytree: too slow)."""
+    """The tensors an op returned, flat and in order, each with its ``fresh`` flag (new memory).
+
+    Flattened by hand: see NOTE [ Speed ] (c).
+    """
     if isinstance(out, torch.Tensor):
         return [(out, bool(fresh) and fresh[0])]
     if not isinstance(out, (tuple, list)):
@@ -147,34 +487,93 @@ def _outputs(out: Any, fresh: tuple[bool, ...]) -> list[tuple[torch.Tensor, bool
     return pairs
 
 
-def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
-    try:
-        return tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        # Sparse tensors and wrapper subclasses have no storage of their own: never scope tensors.
-        return None
-
-
 def _meta(tensor: torch.Tensor) -> tuple:
     """What a replay must reproduce exactly: shape, strides, storage offset, dtype, device."""
     try:
         return (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device)
     except (RuntimeError, NotImplementedError):
+        # Sparse tensors and wrapper subclasses have no strides of their own.
         return (tensor.shape, None, None, tensor.dtype, tensor.device)
 
 
-# ------------------------------------------------------------------------------------ thread state
-class _ThreadState(threading.local):
-    # > 0 while one of our hooks or a replay runs on this thread: ops run then are not recorded, and
-    # the hooks stack is not touched (exiting hooks from inside a hook can crash, pytorch#130734).
-    depth = 0
-    hooks: _ResidentHooks | None = None
+# ============================================================================ 3. packing: owners
+# NOTE [ Scope tensors are recognised by their storage ]
+# A pack hook is handed a tensor, not told where it came from. A tensor the scope made is
+# recognised by its *storage*, so views of it count too, wherever they were made (a 3-d Linear
+# after the scope saves a view of its input). _OWNERS maps id(storage) to its _Owner. Process-wide,
+# so a scope tensor saved by any thread is recognised. A storage's Python object lives exactly as
+# long as the storage, so its id is a valid key while it lives, and the weakref callback removes
+# the entry before the id can be reused.
+class _Owner(weakref.ref):
+    """A weak reference to a storage a scope created, naming the recording and the slot that own it."""
+
+    __slots__ = ("key", "recording", "root")  # See NOTE [ Speed ] (f).
 
 
-_thread = _ThreadState()
+_OWNERS: dict[int, _Owner] = {}
 
 
-# ----------------------------------------------------------------------------- what autograd stores
+def _storage_died(owner: _Owner) -> None:
+    # Identity check: the entry may have been forgotten already (after an exception in the scope).
+    if _OWNERS.get(owner.key) is owner:
+        del _OWNERS[owner.key]
+        owner.recording.storage_released(owner.key)
+
+
+class _PackHook:
+    """Our pack hook, one object per entry of ours on the stack: a scope's own entry while it is
+    open, the resident entry (``below`` is None), or a wrapper standing in for another hook
+    (see NOTE [ Hooks that outlive the with block ])."""
+
+    __slots__ = ("below",)
+
+    def __init__(self, below: tuple[Any, Any] | None) -> None:
+        # The (pack, unpack) pair that gets tensors not made in a scope; None: store them ourselves.
+        self.below = below
+
+    def __call__(self, tensor: torch.Tensor) -> Any:
+        _thread.in_hook += 1
+        try:
+            # See NOTE [ Scope tensors are recognised by their storage ]; id(None) is never a key.
+            owner = _OWNERS.get(id(storage_of(tensor)))
+            ref = owner.recording.replayer.ref_for(tensor, owner.root) if owner is not None else None
+            if ref is not None:
+                return ref
+            if self.below is None:
+                return _Stored(tensor)
+            pack, unpack = self.below
+            return _Delegated(unpack, pack(tensor))
+        finally:
+            _thread.in_hook -= 1
+
+
+def _unpack(packed: _ScopeTensorRef | _Stored | _Delegated) -> torch.Tensor:
+    """The unpack hook of every entry of ours: each packed value knows how to give its tensor back."""
+    _thread.in_hook += 1
+    try:
+        return packed.unpack()
+    finally:
+        _thread.in_hook -= 1
+
+
+# What autograd stores, through our pack hook.
+class _ScopeTensorRef:
+    """What autograd stores for a scope tensor: its recording's replayer, the slot whose storage it
+    lives in, its version when saved, and its geometry if it is a view (None: the slot's tensor)."""
+
+    __slots__ = ("__weakref__", "geometry", "replayer", "root", "round", "version")
+
+    def __init__(self, replayer: _Replayer, root: int, version: int, geometry: tuple | None) -> None:
+        self.replayer = replayer
+        self.root = root
+        self.version = version
+        self.geometry = geometry
+        self.round = -1  # the last replay that served this reference
+
+    def unpack(self) -> torch.Tensor:
+        return self.replayer.serve(self)
+
+
 class _Stored:
     """A tensor not created in any scope, stored as autograd itself would store it."""
 
@@ -189,6 +588,7 @@ class _Stored:
 
     def unpack(self) -> torch.Tensor:
         if self.tensor._version != self.version:
+            # Limitation: autograd's own check for a saved tensor modified in place, redone.
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace "
                 f"operation: [{self.tensor.type()} {list(self.tensor.shape)}] is at version "
@@ -210,21 +610,161 @@ class _Delegated:
         return self.unpack_hook(self.packed)
 
 
-class _Handle:
-    """What autograd stores for a scope tensor: its recording, the slot whose storage it lives in,
-    its version when saved, and its geometry if it is a view (``None``: the slot's tensor itself)."""
+# ===================================================================================== 4. replay
+# NOTE [ One replay per backward ]
+# The first unpack replays the tape once, with the forward's RNG state inside a fork, and keeps the
+# recomputed tensor of every slot that a live _ScopeTensorRef wants. Each is handed out, and
+# dropped as soon as every reference that wanted it has it: backward then holds the only
+# references. A second unpack of the same reference (retain_graph, a second backward) starts a new
+# round: it replays again. A replay runs the ops up to the last one that writes a wanted tensor, all
+# of them, even those whose outputs nobody wants, so that the RNG is drawn from in the forward's
+# order; and it frees each intermediate as soon as no later op reads it.
+#
+# NOTE [ What a replay refuses ]
+# A replay refuses with CheckpointError what would otherwise give silently wrong gradients:
+# (1) an outside tensor modified in place since the scope read it;
+# (2) a scope tensor modified in place after autograd saved it;
+# (3) recomputed outputs whose number, shape, strides, storage offset, dtype or device differ.
+# Modifications through .data bypass version counters, here as in autograd: (1) and (2) can't see
+# them, (3) catches those that change what a recomputed tensor looks like. A scope tensor a replay
+# could not reproduce is stored instead of recomputed (see _Replayer.ref_for).
+class _Schedule(NamedTuple):
+    """What a replay of the first ``ops`` ops needs to know, computed once per length of the tape."""
 
-    __slots__ = ("__weakref__", "geometry", "recording", "root", "round", "version")
+    ops: int
+    last_use: dict[int, int]  # per slot: the last op reading or returning it
+    last_write: dict[int, int]  # per root: the last op writing it
+    first_use: dict[int, int]  # per input: the first op reading it
 
-    def __init__(self, recording: _Recording, root: int, version: int, geometry: tuple | None) -> None:
-        self.recording = recording
-        self.root = root
-        self.version = version
-        self.geometry = geometry
-        self.round = -1  # the last replay that served this handle
 
-    def unpack(self) -> torch.Tensor:
-        return self.recording.serve(self)
+class _Replayer:
+    """Re-runs one recording's tape for the scope tensors backward unpacks.
+
+    See NOTE [ One replay per backward ]; a lock makes unpacks on several threads take turns.
+    """
+
+    def __init__(
+        self, ops: list[_Op], slots: list[_SlotRecord], generators: dict, state: ReplayState
+    ) -> None:
+        # The recording's own lists: ops recorded later (an unpack inside the scope) are seen too.
+        self.ops = ops
+        self.slots = slots
+        self.generators = generators
+        self.state = state
+        self.lock = threading.RLock()
+        # Weak: the graph owns the references. A dead one tells the replay its tensor is not needed.
+        self.refs: list[weakref.ref[_ScopeTensorRef]] = []
+        self.values: dict[int, torch.Tensor] = {}
+        self.pending: Counter[int] = Counter()
+        self.round = 0
+        self.cached_schedule: _Schedule | None = None
+
+    def ref_for(self, tensor: torch.Tensor, root: int) -> _ScopeTensorRef | None:
+        """What autograd stores for a tensor living in ``root``'s storage; None: store it normally."""
+        version = tensor._version
+        root_record = self.slots[root]
+        # Limitation: a replay could not reproduce it. Modified in place by an op we did not record
+        # (after the scope), or a conjugate or negative view (a lazy bit that _restrided would drop).
+        if version != root_record.version or tensor.is_conj() or tensor.is_neg():
+            return None
+        geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
+        ref = _ScopeTensorRef(self, root, version, None if geometry == root_record.meta[:4] else geometry)
+        self.refs.append(weakref.ref(ref))
+        return ref
+
+    def serve(self, ref: _ScopeTensorRef) -> torch.Tensor:
+        """Unpack: the recomputed tensor for ``ref``, replaying first if this round has none."""
+        with self.lock:
+            version = self.slots[ref.root].version
+            if version != ref.version:
+                # Limitation (2) of NOTE [ What a replay refuses ].
+                raise CheckpointError(
+                    "gradient_checkpoint_scope: a tensor created in the scope was modified in place after "
+                    f"autograd saved it (saved at version {ref.version}, the scope left it at version "
+                    f"{version}). Without the scope autograd would raise too: one of the "
+                    "variables needed for gradient computation has been modified by an inplace operation."
+                )
+            value = self.values.get(ref.root) if ref.round != self.round else None
+            if value is None:
+                self._replay()
+                value = self.values[ref.root]
+            ref.round = self.round
+            self.pending[ref.root] -= 1
+            if self.pending[ref.root] <= 0:
+                # Every live reference to this slot has it now: backward holds the only references.
+                self.values.pop(ref.root, None)
+                del self.pending[ref.root]
+        return value if ref.geometry is None else _restrided(value, ref.geometry)
+
+    def _schedule(self) -> _Schedule:
+        """The tape's schedule, computed again only if ops were recorded since (the scope is open)."""
+        if self.cached_schedule is None or self.cached_schedule.ops != len(self.ops):
+            last_use: dict[int, int] = {}
+            last_write: dict[int, int] = {}
+            first_use: dict[int, int] = {}
+            for i, op in enumerate(self.ops):
+                for arg in (*op.args, *op.kwargs.values()):
+                    for slot in (arg,) if type(arg) is _Slot else arg if type(arg) is _Nested else ():
+                        if type(slot) is _Slot:
+                            last_use[slot] = i
+                            if self.slots[slot].source is not None:
+                                first_use.setdefault(slot, i)
+                for slot in op.outputs:
+                    last_use[slot] = i
+                for slot in op.outputs + op.writes:
+                    last_write[self.slots[slot].root] = i
+            self.cached_schedule = _Schedule(len(self.ops), last_use, last_write, first_use)
+        return self.cached_schedule
+
+    def _replay(self) -> None:
+        refs = [r for r in (ref() for ref in self.refs) if r is not None]
+        self.refs = [weakref.ref(r) for r in refs]
+        wanted = Counter(r.root for r in refs)
+        schedule = self._schedule()
+        # See NOTE [ One replay per backward ]: no op after the last write to a wanted tensor.
+        stop = max(schedule.last_write[root] for root in wanted)
+        frees: list[list[int]] = [[] for _ in range(stop + 1)]
+        for slot, i in schedule.last_use.items():
+            if i <= stop and slot not in wanted:
+                frees[i].append(slot)
+        values: list[Any] = [None] * len(self.slots)
+        # no_grad: a replay builds no graph (backward wires the unpacked tensors to the original one).
+        # The forward's RNG in a fork, autocast off: see NOTE [ RNG and autocast in a replay ].
+        with torch.no_grad(), self.state.replay(), _generators_at(self.generators.values()):
+            # Inputs first: if one was modified in place since, fail before running anything.
+            for slot, i in schedule.first_use.items():
+                if i <= stop:
+                    values[slot] = self.slots[slot].source.materialize()
+            for i in range(stop + 1):
+                self._run(self.ops[i], values)
+                for slot in frees[i]:
+                    # Not needed by a later op nor by a reference: let it go now.
+                    values[slot] = None
+        self.values = {root: values[root] for root in wanted}
+        self.pending = wanted
+        self.round += 1
+
+    def _run(self, op: _Op, values: list[Any]) -> None:
+        # See NOTE [ Speed ] (d): _resolve, inlined for the positional arguments.
+        args = [
+            values[a] if type(a) is _Slot else a.resolve(values) if type(a) is _Nested else a for a in op.args
+        ]
+        kwargs = {k: _resolve(v, values) for k, v in op.kwargs.items()} if op.kwargs else op.kwargs
+        out = op.func(*args, **kwargs)
+        recomputed = (out,) if isinstance(out, torch.Tensor) else [t for t, _ in _outputs(out, ())]
+        # Limitation (3) of NOTE [ What a replay refuses ], for both checks.
+        if len(recomputed) != len(op.outputs):
+            raise _replay_mismatch(op, f"{len(recomputed)} tensors", f"{len(op.outputs)}")
+        for slot, tensor, meta in zip(op.outputs, recomputed, op.metas, strict=True):
+            if _meta(tensor) != meta:
+                raise _replay_mismatch(op, _describe(_meta(tensor)), _describe(meta))
+            values[slot] = tensor
+
+
+def _resolve(arg: Any, values: list[Any]) -> Any:
+    """A recorded argument with the replayed tensors in place of their slots."""
+    kind = type(arg)
+    return values[arg] if kind is _Slot else arg.resolve(values) if kind is _Nested else arg
 
 
 def _restrided(value: torch.Tensor, geometry: tuple) -> torch.Tensor:
@@ -234,387 +774,12 @@ def _restrided(value: torch.Tensor, geometry: tuple) -> torch.Tensor:
     return view.set_(value.untyped_storage(), offset, size, stride)
 
 
-# ---------------------------------------------------------------------------- inputs of a recording
-class _Borrowed:
-    """A tensor from outside the scope that the replay reads: kept by reference, checked by version."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.version = tensor._version
-
-    def materialize(self) -> torch.Tensor:
-        if self.tensor._version != self.version:
-            raise CheckpointError(
-                "gradient_checkpoint_scope: a tensor from outside the scope, read inside it, was modified "
-                f"in place before backward recomputed the scope (version {self.tensor._version}, read at "
-                f"version {self.version}; shape {list(self.tensor.shape)}). The recomputation would read "
-                "the new values and give wrong gradients. Modify it out of place, or after backward."
-            )
-        return self.tensor
-
-
-class _Snapshot:
-    """An input the scope writes to in place, copied just before the first write: each replay writes
-    into a copy of this copy, and the input itself is updated exactly once, by the forward."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor.clone()
-
-    def materialize(self) -> torch.Tensor:
-        return self.tensor.clone()
-
-
-class _Slot(int):
-    """A slot number of a recording. In a recorded op's arguments it stands for the slot's tensor (an
-    int of its own type, so that it can't be mistaken for an int argument)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"_Slot({int(self)})"
-
-
-class _Nested(tuple):
-    """A list argument with tensors in it (``torch.cat([a, b])``), as a recording keeps it."""
-
-    __slots__ = ()
-
-    def resolve(self, values: list[Any]) -> list[Any]:
-        return [values[a] if type(a) is _Slot else a for a in self]
-
-
-def _resolve(arg: Any, values: list[Any]) -> Any:
-    """A recorded argument with the replayed tensors in place of their slots."""
-    kind = type(arg)
-    return values[arg] if kind is _Slot else arg.resolve(values) if kind is _Nested else arg
-
-
-class _Op(NamedTuple):
-    func: Any
-    args: tuple  # tensors replaced by their slots
-    kwargs: dict
-    outputs: tuple[_Slot, ...]  # the slot of each tensor it returned
-    metas: tuple[tuple, ...]  # and that tensor's metadata, for the replay's check
-    writes: tuple[_Slot, ...]  # slots it writes in place
-
-
-class _Owner(weakref.ref):
-    """A weak reference to a storage a scope created, naming the recording and the slot that own it."""
-
-    __slots__ = ("key", "recording", "root")
-
-
-# id(storage) -> its owner. Process-wide, so a scope tensor saved by any thread is recognised. A
-# storage's Python object lives exactly as long as the storage, so its id is a valid key while it
-# lives, and the weakref callback removes the entry before the id can be reused.
-_OWNERS: dict[int, _Owner] = {}
-
-
-def _storage_died(owner: _Owner) -> None:
-    # Identity check: the entry may have been forgotten already (after an exception in the scope).
-    if _OWNERS.get(owner.key) is owner:
-        del _OWNERS[owner.key]
-        owner.recording.storage_released(owner.key)
-
-
-_NO_KWARGS: dict = {}
-
-
-# -------------------------------------------------------------------------------------- recording
-class _Recording:
-    """The ops of one scope, in order, and everything needed to replay them once per backward."""
-
-    def __init__(self, hooks: _ResidentHooks, preserve_rng_state: bool) -> None:
-        self.hooks = hooks
-        self.ops: list[_Op] = []
-        # Per slot: None for a tensor an op made, else how a replay gets it (_Borrowed or _Snapshot).
-        self.sources: list[Any] = []
-        # Per slot: the slot whose storage it lives in (itself for new memory and for inputs).
-        self.roots: list[_Slot] = []
-        # Per slot owning new memory: its version after the last recorded op, and its metadata.
-        self.versions: dict[int, int] = {}
-        self.root_metas: dict[int, tuple] = {}
-        # While recording: id(tensor) -> (weakref, slot). Weak, or the scope would keep its tensors.
-        self.by_id: dict[int, tuple[weakref.ref, _Slot]] = {}
-        # Keys of our entries in _OWNERS whose storages are alive. A set: add and discard are atomic,
-        # and storages die on any thread.
-        self.alive: set[int] = set()
-        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
-        self.open = True
-        # Replay state: one replay serves every live handle; a second unpack of a handle replays again.
-        self.lock = threading.RLock()
-        self.handles: list[weakref.ref[_Handle]] = []
-        self.values: dict[int, torch.Tensor] = {}
-        self.pending: Counter[int] = Counter()
-        self.round = 0
-        self.plan: tuple[int, dict[int, int], dict[int, int], dict[int, int]] | None = None
-        self.state, self.uninitialised = _capture_replay_state(preserve_rng_state)
-
-    # ------------------------------------------------------------------ forward: recording
-    def encode(self, value: Any) -> Any:
-        """An argument as the recording keeps it: each tensor becomes its slot."""
-        if isinstance(value, torch.Tensor):
-            entry = self.by_id.get(id(value))
-            # The weakref tells the tensor apart from a new one that got the id of a dead one.
-            return entry[1] if entry is not None and entry[0]() is value else self._add_input(value)
-        if type(value) in (list, tuple) and any(isinstance(v, torch.Tensor) for v in value):
-            return _Nested([self.encode(v) for v in value])
-        return value
-
-    def _add_input(self, tensor: torch.Tensor) -> _Slot:
-        """A slot for a tensor from outside the scope.
-
-        That includes tensors made by an earlier scope: we keep those too. A handle instead would
-        make our replay start with that scope's, which would hold all of *its* recomputed tensors
-        while backward goes through ours, and so on down a chain of scoped layers: peak memory as
-        without any checkpointing. Kept, they are the layer boundaries a checkpoint stores anyway.
-        """
-        return self._add_slot(tensor, _Borrowed(tensor), None)
-
-    def _add_slot(self, tensor: torch.Tensor, source: Any, root: _Slot | None) -> _Slot:
-        slot = _Slot(len(self.sources))
-        self.sources.append(source)
-        self.roots.append(slot if root is None else root)
-        self.by_id[id(tensor)] = (weakref.ref(tensor), slot)
-        return slot
-
-    def before(self, info: _OpInfo, args: tuple, kwargs: dict) -> list[tuple[_Slot, int]]:
-        """Called before the op runs: copy outside tensors it is about to write to.
-
-        Returns (slot, version it will have after the op) for each tensor written.
-        """
-        written = []
-        for position, name, marked in info.writes:
-            value = args[position] if position < len(args) else kwargs.get(name)
-            for tensor in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(tensor, torch.Tensor):
-                    # The bump happens above us (ADInplaceOrView), after the op returns to autograd.
-                    written.append((self._before_write(tensor), tensor._version + marked))
-        return written
-
-    def _before_write(self, tensor: torch.Tensor) -> _Slot:
-        slot = self.encode(tensor)
-        root = self.roots[slot]
-        source = self.sources[root]
-        if isinstance(source, _Borrowed):
-            owner = _OWNERS.get(id(_storage(source.tensor)))
-            if owner is not None and owner.recording is self:
-                raise CheckpointError(
-                    "gradient_checkpoint_scope: an in-place write through an alias the scope did not "
-                    "create (.data?) into a tensor the scope did create cannot be replayed."
-                )
-            if source.tensor._version != source.version:
-                raise CheckpointError(
-                    "gradient_checkpoint_scope: a tensor from outside the scope changed between the "
-                    "scope reading it and writing to it, by an op the scope did not see."
-                )
-            # Copy it now, before its first write (views of it made earlier are replayed as views of
-            # the copy, so they see the write too).
-            self.sources[root] = _Snapshot(source.tensor)
-        return slot
-
-    def note_generators(self, kwargs: dict) -> None:
-        """Called before the op runs: remember the state of an explicit generator it draws from."""
-        for value in kwargs.values():
-            if isinstance(value, torch.Generator) and id(value) not in self.generators:
-                self.generators[id(value)] = (value, value.get_state())
-
-    def record(
-        self, func: Any, info: _OpInfo, args: tuple, kwargs: dict, out: Any, written: list[tuple[_Slot, int]]
-    ) -> None:
-        """Called after the op ran: append it, and give every new tensor it returned a slot."""
-        # (The common case, one tensor returned, without a call: this runs once per op.)
-        outputs = ((out, info.fresh[0]),) if type(out) is torch.Tensor else _outputs(out, info.fresh)
-        if not outputs and not written:
-            # .item(), .equal() and the like: nothing a later op could read, nothing to replay.
-            return
-        args = tuple([self.encode(a) for a in args])
-        kwargs = {k: self.encode(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS
-        slots, metas = [], []
-        for tensor, fresh in outputs:
-            meta = _meta(tensor)
-            entry = self.by_id.get(id(tensor))
-            # In-place and out= ops return an argument: it keeps its slot.
-            known = entry is not None and entry[0]() is tensor
-            slots.append(entry[1] if known else self._add_output(tensor, fresh, args, meta))
-            metas.append(meta)
-        writes = ()
-        if written:
-            writes = tuple(slot for slot, _ in written)
-            for slot, version in written:
-                root = self.roots[slot]
-                if root in self.versions:
-                    # Views share their base's version counter: this is the root's version after the op.
-                    self.versions[root] = version
-        # tuple.__new__ rather than _Op(...): a NamedTuple's __new__ is a Python function.
-        self.ops.append(tuple.__new__(_Op, (func, args, kwargs, tuple(slots), tuple(metas), writes)))
-
-    def _add_output(self, tensor: torch.Tensor, fresh: bool, args: tuple, meta: tuple) -> _Slot:
-        storage = _storage(tensor) if fresh else None
-        owner = _OWNERS.get(id(storage))
-        if storage is not None and owner is None:
-            # New memory: this is what the scope exists for. Register it so the pack hook knows it.
-            slot = _Slot(len(self.sources))
-            self.sources.append(None)
-            self.roots.append(slot)
-            self.by_id[id(tensor)] = (weakref.ref(tensor), slot)
-            owner = _Owner(storage, _storage_died)
-            owner.key, owner.recording, owner.root = id(storage), self, slot
-            _OWNERS[owner.key] = owner
-            self.alive.add(owner.key)
-            self.versions[slot] = tensor._version
-            self.root_metas[slot] = meta
-            return slot
-        # A view (or an alias the schema does not declare, like _unsafe_view): it lives in the storage
-        # of the slot that owns it, or else in that of the op's first tensor argument.
-        if owner is not None and owner.recording is self:
-            root = owner.root
-        else:
-            base = next((a for a in args if type(a) is _Slot), None)
-            root = None if base is None else self.roots[base]
-        return self._add_slot(tensor, None, root)
-
-    def close(self, failed: bool) -> None:
-        """The scope's ``with`` block ended (``failed``: by an exception)."""
-        self.open = False
-        # Identities are only needed while ops are still being recorded.
-        self.by_id = {}
-        self._add_accelerators_initialised_inside()
-        # Safety net for schemas that lie: an output we took for new memory but that shares an
-        # outside tensor's storage would keep this recording alive as long as that tensor lives.
-        borrowed = {id(_storage(s.tensor)) for s in self.sources if isinstance(s, _Borrowed)}
-        for key in list(self.alive) if failed else self.alive & borrowed:
-            # After an exception no new handles: scope tensors still alive are stored normally.
-            owner = _OWNERS.get(key)
-            if owner is not None and owner.recording is self:
-                del _OWNERS[key]
-            self.alive.discard(key)
-        if not self.alive:
-            self.hooks.live.discard(self)
-
-    def storage_released(self, key: int) -> None:
-        """A storage this scope created was freed (on any thread)."""
-        self.alive.discard(key)
-        if not self.alive and not self.open:
-            self.hooks.forget(self)
-
-    def _add_accelerators_initialised_inside(self) -> None:
-        if self.uninitialised is None or self.state.rng is None or not device_initialised(self.uninitialised):
-            return
-        # The device was initialised inside the scope, so its generators started from their seeds.
-        fresh = _seeded_states(self.uninitialised)
-        rng = RNGState(cpu=self.state.rng.cpu, devices=self.state.rng.devices + fresh)
-        self.state = replace(self.state, rng=rng, devices=self.state.devices + tuple(d for d, _ in fresh))
-
-    # ------------------------------------------------------------------ backward: replaying
-    def handle_for(self, tensor: torch.Tensor, root: int) -> _Handle | None:
-        """A handle for a tensor living in ``root``'s storage, or None if a replay can't reproduce it."""
-        version = tensor._version
-        # Modified in place by an op we did not record (after the scope): store it normally.
-        if version != self.versions[root] or tensor.is_conj() or tensor.is_neg():
-            return None
-        geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
-        handle = _Handle(self, root, version, None if geometry == self.root_metas[root][:4] else geometry)
-        # Weak: the graph owns the handle. A dead handle tells the replay its tensor is not needed.
-        self.handles.append(weakref.ref(handle))
-        return handle
-
-    def serve(self, handle: _Handle) -> torch.Tensor:
-        """Unpack: the recomputed tensor for ``handle``, replaying first if this round has none."""
-        with self.lock:
-            if self.versions[handle.root] != handle.version:
-                raise CheckpointError(
-                    "gradient_checkpoint_scope: a tensor created in the scope was modified in place after "
-                    f"autograd saved it (saved at version {handle.version}, the scope left it at version "
-                    f"{self.versions[handle.root]}). Without the scope autograd would raise too: one of the "
-                    "variables needed for gradient computation has been modified by an inplace operation."
-                )
-            value = self.values.get(handle.root) if handle.round != self.round else None
-            if value is None:
-                self._replay()
-                value = self.values[handle.root]
-            handle.round = self.round
-            self.pending[handle.root] -= 1
-            if self.pending[handle.root] <= 0:
-                # Every live handle of this slot has it now: backward holds the only references.
-                self.values.pop(handle.root, None)
-                del self.pending[handle.root]
-        return value if handle.geometry is None else _restrided(value, handle.geometry)
-
-    def _plan(self) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
-        """Per slot the last op reading it; per root the last op writing it; per input the first reader."""
-        if self.plan is None or self.plan[0] != len(self.ops):
-            last_use: dict[int, int] = {}
-            last_write: dict[int, int] = {}
-            first_use: dict[int, int] = {}
-            for i, op in enumerate(self.ops):
-                for arg in (*op.args, *op.kwargs.values()):
-                    for slot in (arg,) if type(arg) is _Slot else arg if type(arg) is _Nested else ():
-                        if type(slot) is _Slot:
-                            last_use[slot] = i
-                            if self.sources[slot] is not None:
-                                first_use.setdefault(slot, i)
-                for slot in op.outputs:
-                    last_use[slot] = i
-                for slot in op.outputs + op.writes:
-                    last_write[self.roots[slot]] = i
-            self.plan = (len(self.ops), last_use, last_write, first_use)
-        return self.plan[1:]
-
-    def _replay(self) -> None:
-        handles = [h for h in (ref() for ref in self.handles) if h is not None]
-        self.handles = [weakref.ref(h) for h in handles]
-        wanted = Counter(h.root for h in handles)
-        last_use, last_write, first_use = self._plan()
-        # Ops after the last write to a wanted tensor are needed by no one; earlier ones all run, even
-        # those whose outputs are unused, so that the RNG is drawn from in the forward's order.
-        stop = max(last_write[root] for root in wanted)
-        frees: list[list[int]] = [[] for _ in range(stop + 1)]
-        for slot, i in last_use.items():
-            if i <= stop and slot not in wanted:
-                frees[i].append(slot)
-        values: list[Any] = [None] * len(self.sources)
-        # no_grad: a replay builds no graph (backward wires the unpacked tensors to the original one).
-        with torch.no_grad(), self.state.replay(), _generators_at(self.generators.values()):
-            # Inputs first: if one was modified in place since, fail before running anything.
-            for slot, i in first_use.items():
-                if i <= stop:
-                    values[slot] = self.sources[slot].materialize()
-            for i in range(stop + 1):
-                self._run(self.ops[i], values)
-                for slot in frees[i]:
-                    # Not needed by a later op nor by a handle: let it go now.
-                    values[slot] = None
-        self.values = {root: values[root] for root in wanted}
-        self.pending = wanted
-        self.round += 1
-
-    def _run(self, op: _Op, values: list[Any]) -> None:
-        # _resolve, inlined: this runs once per argument of every replayed op.
-        args = [
-            values[a] if type(a) is _Slot else a.resolve(values) if type(a) is _Nested else a for a in op.args
-        ]
-        kwargs = {k: _resolve(v, values) for k, v in op.kwargs.items()} if op.kwargs else op.kwargs
-        out = op.func(*args, **kwargs)
-        recomputed = (out,) if isinstance(out, torch.Tensor) else [t for t, _ in _outputs(out, ())]
-        if len(recomputed) != len(op.outputs):
-            raise _mismatch(op, f"{len(recomputed)} tensors", f"{len(op.outputs)}")
-        for slot, tensor, meta in zip(op.outputs, recomputed, op.metas, strict=True):
-            if _meta(tensor) != meta:
-                raise _mismatch(op, _describe(_meta(tensor)), _describe(meta))
-            values[slot] = tensor
-
-
 def _describe(meta: tuple) -> str:
     shape, stride, offset, dtype, device = meta
     return f"shape={list(shape)}, stride={stride}, storage_offset={offset}, dtype={dtype}, device={device}"
 
 
-def _mismatch(op: _Op, got: str, recorded: str) -> CheckpointError:
+def _replay_mismatch(op: _Op, got: str, recorded: str) -> CheckpointError:
     return CheckpointError(
         f"gradient_checkpoint_scope: the recomputation of {op.func} returned {got}; the forward returned "
         f"{recorded}. The replay does not reproduce the forward (an input changed without a version "
@@ -623,20 +788,14 @@ def _mismatch(op: _Op, got: str, recorded: str) -> CheckpointError:
     )
 
 
-@contextlib.contextmanager
-def _generators_at(generators: Any) -> Iterator[None]:
-    """Explicit ``torch.Generator`` arguments at their recorded states; put back afterwards."""
-    generators = list(generators)
-    now = [(g, g.get_state()) for g, _ in generators]
-    try:
-        for g, state in generators:
-            g.set_state(state)
-        yield
-    finally:
-        for g, state in now:
-            g.set_state(state)
-
-
+# NOTE [ RNG and autocast in a replay ]
+# Autocast is *off* during a replay: the dispatch level sits below autocast, so the recorded ops are
+# already cast, and replaying them under autocast would cast again. RNG: the default CPU generator
+# and every device of an already initialised accelerator are captured when the scope opens (it can't
+# be known which devices the scope will draw from; each costs a few µs), and the replay draws inside
+# a fork, so the caller's stream goes on untouched. An accelerator first initialised inside the scope
+# is replayed from its freshly seeded state. Explicit torch.Generator arguments are set to their
+# state before the scope's first draw from them, and put back after the replay.
 def _capture_replay_state(preserve_rng_state: bool) -> tuple[ReplayState, str | None]:
     """RNG of the CPU and of every device of an initialised accelerator; autocast *off*.
 
@@ -648,16 +807,25 @@ def _capture_replay_state(preserve_rng_state: bool) -> tuple[ReplayState, str | 
     uninitialised = None
     if accelerator is not None:
         if device_initialised(accelerator.type):
-            # We can't know which devices the scope will draw from: capturing all costs a few µs each.
+            # Every device: which ones the scope will draw from can't be known now.
             devices = [torch.device(accelerator.type, i) for i in range(torch.accelerator.device_count())]
         else:
             uninitialised = accelerator.type
     rng = RNGState.capture(devices) if preserve_rng_state else None
-    # The recorded ops ran below autocast, i.e. already cast: replaying them under autocast would
-    # cast again. So the replay runs with autocast off, whatever backward runs under.
+    # Off, whatever backward runs under: the recorded ops are already cast.
     settings = AutocastState.capture(device_types).settings
     autocast_off = AutocastState(tuple((t, False, dtype) for t, _, dtype in settings), cache_enabled=False)
     return ReplayState(rng=rng, autocast=autocast_off, devices=tuple(devices)), uninitialised
+
+
+def _with_accelerator_initialised_inside(state: ReplayState, device_type: str | None) -> ReplayState:
+    """``state``, plus the seeded generators of ``device_type`` if the scope initialised it."""
+    if device_type is None or state.rng is None or not device_initialised(device_type):
+        return state
+    # Initialised inside the scope, so its generators started from their seeds.
+    fresh = _seeded_states(device_type)
+    rng = RNGState(cpu=state.rng.cpu, devices=state.rng.devices + fresh)
+    return replace(state, rng=rng, devices=state.devices + tuple(d for d, _ in fresh))
 
 
 def _seeded_states(device_type: str) -> tuple[tuple[torch.device, torch.Tensor], ...]:
@@ -675,94 +843,51 @@ def _seeded_states(device_type: str) -> tuple[tuple[torch.device, torch.Tensor],
     return tuple(states)
 
 
-# ------------------------------------------------------------------------------------ dispatch mode
-class _RecordingMode(TorchDispatchMode):
-    """Records every aten op run inside the scope (below autograd: what the backend really ran)."""
-
-    def __init__(self, recording: _Recording) -> None:
-        super().__init__()
-        self.recording = recording
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or _NO_KWARGS
-        if _thread.depth:
-            # An op run by a hook (save_on_cpu's copy) or by a replay: not part of the forward.
-            return func(*args, **kwargs)
-        recording = self.recording
-        info = _OP_INFO.get(id(func)) or _op_info(func)
-        written = recording.before(info, args, kwargs) if info.writes else []
-        if kwargs:
-            recording.note_generators(kwargs)
-        out = func(*args, **kwargs)
-        recording.record(func, info, args, kwargs, out, written)
-        return out
+@contextlib.contextmanager
+def _generators_at(generators: Any) -> Iterator[None]:
+    """Explicit ``torch.Generator`` arguments at their recorded states; put back afterwards."""
+    generators = list(generators)
+    now = [(g, g.get_state()) for g, _ in generators]
+    try:
+        for g, state in generators:
+            g.set_state(state)
+        yield
+    finally:
+        for g, state in now:
+            g.set_state(state)
 
 
-# ------------------------------------------------------------------------------- the hooks stack
+# ============================================================================ 5. resident hooks
+# NOTE [ Hooks that outlive the with block ]
+# Our pack hook must outlive the with block: in ``with scope(): x = a + b`` then ``y = x * c``, mul
+# saves x after the block has closed. But the saved-tensors-hooks stack is thread-local and strictly
+# LIFO, and every ``saved_tensors_hooks.__exit__`` simply pops the top entry, whoever pushed it. So a
+# scope that closes while its tensors are alive takes the stack apart and rebuilds it (_restack):
+# one *resident* entry of ours at the bottom, every entry above it wrapped (a _PackHook whose
+# ``below`` is the original pair: scope tensors to us, the rest to the original hook). Each
+# enclosing context still pops exactly one entry, its own (its wrapper, as far as anyone can
+# tell). When the last scope tensor dies, the resident entry is taken out again and the wrappers
+# unwrapped, so that the stack is exactly as if we had never been there: see NOTE [ Safe points ].
+# Nothing is monkey-patched.
+#
+# A saved_tensors_hooks entered *after* the scope closed is the innermost hook while it is active,
+# so scope tensors saved then go to it, not to us: the innermost hook wins, as always.
+#
+# NOTE [ Safe points ]
+# The resident entry is taken out only at a safe point (a scope opens and closes at one: the entry
+# point sees to that):
+# * on the thread that owns it (it is thread-local);
+# * outside any of our hooks (see NOTE [ Per-thread state ]);
+# * outside backward: the autograd engine restores the thread-local hooks stack after every node,
+#   silently undoing any change made there.
+# So the resident entry normally goes as soon as the last scope tensor is freed; a death inside
+# backward retries right after that backward (_AfterBackward). One on another thread (or the engine
+# dropping its graph task on a device thread, as it may on CUDA) waits for the owning thread's next
+# safe point: a scope tensor freed there, a scope opened or closed there. Until then the resident
+# entry merely stores what it is given (and torch.compile would see a hook).
 def _top() -> tuple[Any, Any] | None:
     # True: the real top, even while a compiler traces (with False it would read as empty then).
     return _top_saved_tensors_default_hooks(True)
-
-
-class _Pack:
-    """Our pack hook, one object per entry of ours on the stack: a scope's own entry while it is
-    open, the resident entry (``below`` is None), or a wrapper standing in for another hook."""
-
-    __slots__ = ("below",)
-
-    def __init__(self, below: tuple[Any, Any] | None) -> None:
-        # The (pack, unpack) pair that gets tensors not made in a scope; None: store them ourselves.
-        self.below = below
-
-    def __call__(self, tensor: torch.Tensor) -> Any:
-        _thread.depth += 1
-        try:
-            # By storage: views of a scope tensor count too, wherever they were made (Linear on a 3-d
-            # input saves a view of it). id(None) is never a key.
-            owner = _OWNERS.get(id(_storage(tensor)))
-            handle = owner.recording.handle_for(tensor, owner.root) if owner is not None else None
-            if handle is not None:
-                return handle
-            if self.below is None:
-                return _Stored(tensor)
-            pack, unpack = self.below
-            return _Delegated(unpack, pack(tensor))
-        finally:
-            _thread.depth -= 1
-
-
-# Checkpoints whose backward re-runs their function and matches what it saves to what the forward
-# saved, by position. A scope inside their region would save differently in the forward than in that
-# re-run (inside backward a scope does nothing): silently wrong gradients. So inside their region a
-# scope does nothing: the checkpoint recomputes everything there anyway.
-_RECOMPUTING_CHECKPOINTS = ("torch.utils.checkpoint", "ckpt_lab.nonreentrant")
-
-
-def _inside_a_checkpoint() -> bool:
-    """Whether the hook of such a checkpoint is on the stack (above our entries: it can't be below)."""
-    if not _saved_tensors_hooks_is_enabled():
-        return False  # we could not push back what we pop; and the scope's own push will fail anyway
-    popped = []
-    try:
-        while (top := _top()) is not None and not isinstance(top[0], _Pack):
-            if getattr(top[0], "__module__", None) in _RECOMPUTING_CHECKPOINTS:
-                return True
-            # Look below it (typically a save_on_cpu inside a checkpointed function).
-            _pop_saved_tensors_default_hooks()
-            popped.append(top)
-        return False
-    finally:
-        for pack, unpack in reversed(popped):
-            _push_saved_tensors_default_hooks(pack, unpack)
-
-
-def _unpack(packed: _Handle | _Stored | _Delegated) -> torch.Tensor:
-    """The unpack hook of every entry of ours: each packed value knows how to give its tensor back."""
-    _thread.depth += 1
-    try:
-        return packed.unpack()
-    finally:
-        _thread.depth -= 1
 
 
 class _ResidentHooks:
@@ -774,7 +899,7 @@ class _ResidentHooks:
         self.open: _Recording | None = None
         # Recordings open, or with a storage still alive: while any, the resident entry must stay.
         self.live: set[_Recording] = set()
-        self.resident: _Pack | None = None
+        self.resident: _PackHook | None = None
         self.busy = False  # rebuilding the stack right now (a finalizer must not start another rebuild)
         self.retry_after = -1  # the backward (graph task) after which we try again
 
@@ -785,24 +910,24 @@ class _ResidentHooks:
             hooks = _thread.hooks = _ResidentHooks()
         return hooks
 
-    def open_scope(self, recording: _Recording) -> _Pack:
+    def open_scope(self, recording: _Recording) -> _PackHook:
         # A safe point: a removal deferred earlier can happen now.
         self.release_if_idle()
         top = _top()
         # On top of an entry of ours, skip it: it would only ask the same question again.
-        below = top[0].below if top is not None and isinstance(top[0], _Pack) else top
-        entry = _Pack(below)
+        below = top[0].below if top is not None and isinstance(top[0], _PackHook) else top
+        entry = _PackHook(below)
         _push_saved_tensors_default_hooks(entry, _unpack)
         self.open = recording
         self.live.add(recording)
         return entry
 
-    def close_scope(self, recording: _Recording, entry: _Pack, failed: bool) -> None:
+    def close_scope(self, recording: _Recording, entry: _PackHook, failed: bool) -> None:
         self.open = None
         recording.close(failed)
         self.busy = True
         try:
-            self._restack(drop=entry)
+            self.resident = _restack(self.resident, keep=bool(self.live), drop=entry)
         finally:
             self.busy = False
         # A storage freed while we were rebuilding could not release anything then.
@@ -814,12 +939,13 @@ class _ResidentHooks:
         self.release_if_idle()
 
     def release_if_idle(self) -> None:
+        """Remove the resident entry if no recording needs it, at a safe point (see NOTE [ Safe points ])."""
         if self.live or self.resident is None or self.busy:
             return
         task = torch._C._current_graph_task_id()
         if task != -1:
-            # Inside backward (typically: the last handle of a later scope died, and with it the
-            # earlier scope tensor it kept): try again once this backward is over.
+            # Not a safe point: inside backward (typically: the last reference to a later scope
+            # died, and with it the earlier scope tensor it kept). Try again once it is over.
             if task != self.retry_after:
                 self.retry_after = task
                 try:
@@ -827,58 +953,59 @@ class _ResidentHooks:
                 except RuntimeError:
                     pass  # no callbacks here (an unusual engine): the next safe point will do it
             return
-        # Only at a safe point; otherwise the next one will do it.
-        if threading.get_ident() != self.owner or _thread.depth or not _saved_tensors_hooks_is_enabled():
+        # Not a safe point: another thread, inside a hook, or hooks disabled (we could not pop).
+        if threading.get_ident() != self.owner or _thread.in_hook or not _saved_tensors_hooks_is_enabled():
             return
         self.busy = True
         try:
-            self._restack()
+            self.resident = _restack(self.resident, keep=False)
         finally:
             self.busy = False
 
-    def _restack(self, drop: _Pack | None = None) -> None:
-        """Make the stack right for ``self.live``, without ``drop`` (a closing scope's entry).
 
-        Live recordings: our resident entry at the bottom, every other entry ours or wrapped. None: no
-        resident entry, and every wrapper replaced by the original it stands in for.
-        """
-        keep = bool(self.live)
-        top = _top()
-        # The common cases touch only the top of the stack.
-        if drop is not None and top is not None and top[0] is drop:
+def _restack(resident: _PackHook | None, keep: bool, drop: _PackHook | None = None) -> _PackHook | None:
+    """Make this thread's stack right, without ``drop`` (a closing scope's entry); return the
+    resident entry. See NOTE [ Hooks that outlive the with block ].
+
+    ``keep`` (live recordings): our resident entry at the bottom, every other entry ours or wrapped.
+    Otherwise no resident entry, and every wrapper replaced by the original it stands in for.
+    """
+    top = _top()
+    # The common cases touch only the top of the stack.
+    if drop is not None and top is not None and top[0] is drop:
+        _pop_saved_tensors_default_hooks()
+        top, drop = _top(), None
+    if not _saved_tensors_hooks_is_enabled():
+        # Limitation: someone disabled saved-tensor hooks (functorch, a compiler): pushing would fail,
+        # so there is no resident entry; scope tensors saved from now on are simply stored.
+        return resident
+    if drop is None:
+        if keep and resident is not None and top is not None and isinstance(top[0], _PackHook):
+            return resident  # entries of ours all the way down to the resident one
+        if not keep and resident is None:
+            return None
+        if not keep and top is not None and top[0] is resident:
             _pop_saved_tensors_default_hooks()
-            top, drop = _top(), None
-        if not _saved_tensors_hooks_is_enabled():
-            # Someone disabled saved-tensor hooks (functorch, a compiler): pushing would fail, so
-            # there is no resident entry; scope tensors saved from now on are simply stored.
-            return
-        if drop is None:
-            if keep and self.resident is not None and top is not None and isinstance(top[0], _Pack):
-                return  # entries of ours all the way down to the resident one
-            if not keep and self.resident is None:
-                return
-            if not keep and top is not None and top[0] is self.resident:
-                _pop_saved_tensors_default_hooks()
-                self.resident = None
-                return
-        # Otherwise take the whole stack apart (these are all enclosing contexts) and rebuild it.
-        entries = []
-        while (top := _top()) is not None:
-            _pop_saved_tensors_default_hooks()
-            entries.append(top)
-        self.resident = (self.resident or _Pack(None)) if keep else None
-        if self.resident is not None:
-            _push_saved_tensors_default_hooks(self.resident, _unpack)
-        for pack, unpack in reversed(entries):
-            if isinstance(pack, _Pack):
-                if pack.below is None or pack is drop:
-                    continue  # an old resident entry, or the closing scope's own
-                if not keep:
-                    pack, unpack = pack.below
-            elif keep:
-                # Its owner will pop this wrapper on exit, as it would have popped its own entry.
-                pack, unpack = _Pack((pack, unpack)), _unpack
-            _push_saved_tensors_default_hooks(pack, unpack)
+            return None
+    # Otherwise take the whole stack apart (these are all enclosing contexts) and rebuild it.
+    entries = []
+    while (top := _top()) is not None:
+        _pop_saved_tensors_default_hooks()
+        entries.append(top)
+    resident = (resident or _PackHook(None)) if keep else None
+    if resident is not None:
+        _push_saved_tensors_default_hooks(resident, _unpack)
+    for pack, unpack in reversed(entries):
+        if isinstance(pack, _PackHook):
+            if pack.below is None or pack is drop:
+                continue  # an old resident entry, or the closing scope's own
+            if not keep:
+                pack, unpack = pack.below
+        elif keep:
+            # Its owner will pop this wrapper on exit, as it would have popped its own entry.
+            pack, unpack = _PackHook((pack, unpack)), _unpack
+        _push_saved_tensors_default_hooks(pack, unpack)
+    return resident
 
 
 class _AfterBackward:
@@ -898,37 +1025,6 @@ class _AfterBackward:
         pass
 
     def __del__(self) -> None:
+        # At interpreter exit there is nothing left to restore.
         if not sys.is_finalizing():
             self.hooks.release_if_idle()
-
-
-# --------------------------------------------------------------------------------------- the scope
-@contextlib.contextmanager
-def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[None]:
-    """Every tensor created inside is recomputed in backward instead of being stored for it.
-
-    ``preserve_rng_state=False`` skips the RNG snapshot: only safe if the scope draws no random
-    numbers, or if different ones in the recomputation are acceptable.
-    """
-    hooks = _ResidentHooks.of_this_thread()
-    if (
-        hooks.open is not None
-        or _thread.depth
-        or not torch.is_grad_enabled()
-        or torch._C._current_graph_task_id() != -1
-        or _inside_a_checkpoint()
-    ):
-        # Nested in a scope (which records everything already), inside a hook, with nothing to save,
-        # inside backward (where any change to the hooks stack is undone after each node), or inside
-        # a checkpointed function (which is recomputed as a whole).
-        yield
-        return
-    recording = _Recording(hooks, preserve_rng_state)
-    entry = hooks.open_scope(recording)
-    failed = True
-    try:
-        with _RecordingMode(recording):
-            yield
-        failed = False
-    finally:
-        hooks.close_scope(recording, entry, failed)

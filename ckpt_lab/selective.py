@@ -37,7 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
-from ckpt_lab.nonreentrant import CheckpointError, _checkpoint
+from ckpt_lab._aten import is_view, tensors_in
+from ckpt_lab.nonreentrant import CheckpointError, checkpoint
 
 __all__ = [
     "RECOMPUTE",
@@ -75,6 +76,34 @@ class OpContext:
 
 
 Policy = Callable[..., Decision | CheckpointPolicy | bool]
+
+
+def selective_checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    policy: Policy | Sequence[torch._ops.OpOverload],
+    preserve_rng_state: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """``ckpt_lab.checkpoint(function, *args, **kwargs)`` that keeps the outputs ``policy`` saves.
+
+    ``policy(ctx, op, *args, **kwargs)`` is asked once per aten op in the forward and answers SAVE or
+    RECOMPUTE (or a torch ``CheckpointPolicy``, or a bool); a list of ops means "save these".
+    Backward re-runs the function, serving saved outputs instead of running their ops, each once:
+    like torch's SAC, a served output is freed as soon as backward has used it. Unlike torch's SAC,
+    backward may run more than once (``retain_graph=True``): later backwards recompute those ops.
+    """
+    chosen = save_ops(policy) if isinstance(policy, (list, tuple)) else policy
+    if not callable(chosen):
+        raise TypeError(f"selective_checkpoint: policy must be a function or a list of ops, got {policy!r}.")
+    cache = _Cache(chosen)
+    return checkpoint(
+        function,
+        *args,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=lambda: (_SaveMode(cache), _ServeMode(cache)),
+        **kwargs,
+    )
 
 
 def save_ops(ops: Sequence[torch._ops.OpOverload]) -> Policy:
@@ -121,26 +150,6 @@ def _decision(answer: Any, op: Any, index: int) -> Decision:
         "decision. Return ckpt_lab.selective.SAVE or RECOMPUTE, a torch CheckpointPolicy, or a bool "
         "(True = save). A policy that falls off its end returns None: add a final `return RECOMPUTE`."
     )
-
-
-def tensors_in(tree: Any) -> list[torch.Tensor]:
-    """The tensors among the leaves of a (nested) structure of arguments or outputs."""
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
-def storage_key(tensor: torch.Tensor) -> int:
-    """The identity of the storage behind ``tensor`` (an address: unique among live storages)."""
-    return tensor.untyped_storage()._cdata
-
-
-def storage_keys(tensors: Sequence[torch.Tensor]) -> set[int]:
-    return {storage_key(t) for t in tensors if t.layout == torch.strided}
-
-
-def is_view(op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> bool:
-    """Does a non-mutating op return an alias of one of its inputs (``t``, ``view``, ``expand``)?"""
-    outputs = storage_keys(tensors_in(out))
-    return not op._schema.is_mutable and bool(outputs & storage_keys(tensors_in((args, kwargs))))
 
 
 def must_rerun(op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> bool:
@@ -265,29 +274,3 @@ class _ServeMode(TorchDispatchMode):
         return tree_unflatten(leaves, entry.spec)
 
 
-def selective_checkpoint(
-    function: Callable[..., Any],
-    *args: Any,
-    policy: Policy | Sequence[torch._ops.OpOverload],
-    preserve_rng_state: bool = True,
-    **kwargs: Any,
-) -> Any:
-    """``ckpt_lab.checkpoint(function, *args, **kwargs)`` that keeps the outputs ``policy`` saves.
-
-    ``policy(ctx, op, *args, **kwargs)`` is asked once per aten op in the forward and answers SAVE or
-    RECOMPUTE (or a torch ``CheckpointPolicy``, or a bool); a list of ops means "save these".
-    Backward re-runs the function, serving saved outputs instead of running their ops, each once:
-    like torch's SAC, a served output is freed as soon as backward has used it. Unlike torch's SAC,
-    backward may run more than once (``retain_graph=True``): later backwards recompute those ops.
-    """
-    chosen = save_ops(policy) if isinstance(policy, (list, tuple)) else policy
-    if not callable(chosen):
-        raise TypeError(f"selective_checkpoint: policy must be a function or a list of ops, got {policy!r}.")
-    cache = _Cache(chosen)
-    return _checkpoint(
-        function,
-        args,
-        kwargs,
-        preserve_rng_state=preserve_rng_state,
-        context_fn=lambda: (_SaveMode(cache), _ServeMode(cache)),
-    )

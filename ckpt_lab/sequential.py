@@ -22,17 +22,6 @@ from ckpt_lab.reentrant import reentrant_checkpoint
 __all__ = ["checkpoint_sequential"]
 
 
-def _run_segment(functions: Sequence[Callable[[Any], Any]], start: int, end: int) -> Callable[[Any], Any]:
-    """A function running ``functions[start:end]`` one after another."""
-
-    def forward(x: Any) -> Any:
-        for fn in functions[start:end]:
-            x = fn(x)
-        return x
-
-    return forward
-
-
 def checkpoint_sequential(
     functions: torch.nn.Sequential | Sequence[Callable[[Any], Any]],
     segments: int,
@@ -63,3 +52,16 @@ def checkpoint_sequential(
         input = checkpoint(_run_segment(functions, start, end), input, preserve_rng_state=preserve_rng_state)
     # The last chunk runs normally: its activations would be recomputed right away anyway.
     return _run_segment(functions, end, len(functions))(input)
+
+
+def _run_segment(functions: Sequence[Callable[[Any], Any]], start: int, end: int) -> Callable[[Any], Any]:
+    """A function running ``functions[start:end]`` one after another."""
+
+    def forward(x: Any) -> Any:
+        for fn in functions[start:end]:
+            x = fn(x)
+        return x
+
+    return forward
+
+

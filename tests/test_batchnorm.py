@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -10,26 +9,13 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointError as TorchCheckpointError
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ckpt_lab.batchnorm import StatsHooks, in_backward, skip_stats_update_in_recompute
-from ckpt_lab.counting import OpCounter
+from ckpt_lab.instruments.counting import OpCounter
+from ckpt_lab.instruments.saved import SavedTensorLog
 from ckpt_lab.nonreentrant import CheckpointError, checkpoint
-from ckpt_lab.reentrant import reentrant_checkpoint
-from ckpt_lab.saved import SavedTensorLog
 from ckpt_lab.scope import gradient_checkpoint_scope
-
-CHECKPOINTS: dict[str, Callable[..., Any]] = {
-    "torch reentrant": functools.partial(torch_checkpoint, use_reentrant=True),
-    "torch non-reentrant": functools.partial(torch_checkpoint, use_reentrant=False),
-    "ckpt_lab.reentrant_checkpoint": reentrant_checkpoint,
-    "ckpt_lab.checkpoint": checkpoint,
-}
-NON_REENTRANT = {"torch non-reentrant", "ckpt_lab.checkpoint"}
-
-
-def plain(function: Callable[..., Any], *args: Any) -> Any:
-    return function(*args)
+from oracle import CHECKPOINTS, NON_REENTRANT, assert_all_equal, plain
 
 
 def make_model() -> nn.Sequential:
@@ -68,12 +54,6 @@ def step(ck: Callable[..., Any], fix: bool = False, train: bool = True) -> dict[
         "grads": [x.grad, *(p.grad for p in model.parameters())],
         "hooks": hooks,
     }
-
-
-def assert_all_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for u, v in zip(a, b, strict=True):
-        assert torch.equal(u, v), (u - v).abs().max()
 
 
 # ------------------------------------------------------------------------------------ the pitfall
@@ -262,7 +242,7 @@ def test_disabling_tracking_breaks_non_reentrant_checkpoints(name: str) -> None:
     model = make_model()
     disable_tracking_in_recompute(model)
     loss = CHECKPOINTS[name](model, torch.randn(8, 3, 5, 5, requires_grad=True)).sum()
-    if name in NON_REENTRANT:
+    if CHECKPOINTS[name] in NON_REENTRANT.values():
         with pytest.raises((CheckpointError, TorchCheckpointError)):
             loss.backward()
     else:

@@ -5,34 +5,55 @@ Timings are not asserted (the machines are shared and noisy): only structure, gr
 
 import gc
 import json
+import os
 
 import pytest
 import torch
 
 from ckpt_lab import CheckpointError, bench
-from ckpt_lab.counting import count_flops
-from ckpt_lab.planner import CostCounter, matmul_flops
+from ckpt_lab.bench.__main__ import main as bench_main
+from ckpt_lab.bench.measure import _loss
+from ckpt_lab.instruments.counting import count_flops
+from ckpt_lab.instruments.flops import CostCounter, matmul_flops
+from ckpt_lab.instruments.state import assert_no_global_state, changes
 
 PLANNED = ("ckpt-plan-25", "ckpt-plan-50")
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
+    # From another working directory and with no --out: the default output folder is ./results.
+    cwd = tmp_path_factory.mktemp("bench")
+    out = cwd / "results"
     threads = torch.get_num_threads()
     # One thread: no timing is asserted, and on a loaded 2-core machine two threads contend (10x slower).
     torch.set_num_threads(1)
     # measure_memory collects garbage twice per run; frozen, the objects that exist already (torch's
     # own, pytest's) are not walked each time. What the runs create is still collected.
     gc.freeze()
+    here = os.getcwd()
+    os.chdir(cwd)
     try:
         # returnn is optional: leave the peer out so the test measures the same thing everywhere.
-        code = bench.main(["--quick", "--rounds", "1", "--json", str(out / "r.json"), "--images", str(out),
-                           "--no-returnn"])
+        code = bench_main(["--quick", "--rounds", "1", "--no-returnn"])
     finally:
+        os.chdir(here)
         gc.unfreeze()
         torch.set_num_threads(threads)
-    return code, json.loads((out / "r.json").read_text()), out
+    return code, json.loads((out / "results-quick.json").read_text()), out
+
+
+def test_by_default_nothing_is_written_outside_the_results_folder(quick_run):
+    _, _, out = quick_run
+    assert sorted(p.name for p in out.parent.iterdir()) == ["results"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "bench_memory_vs_depth.png", "bench_tradeoff.png", "results-quick.json"
+    ]
+
+
+def test_refreshing_the_readme_figures_is_never_quick():
+    with pytest.raises(SystemExit):
+        bench_main(["--quick", "--refresh-readme"])
 
 
 def test_quick_run_succeeds_and_writes_plots(quick_run):
@@ -110,13 +131,13 @@ def test_the_flop_count_is_count_flops_without_module_hooks():
     wl = bench.transformer(1, d_model=32, nhead=2, seq=8, batch=2)
     for s in bench.strategies(include_returnn=False):
         with CostCounter(cost=matmul_flops) as flops:
-            bench._loss(s, wl).backward()
+            _loss(s, wl).backward()
         if s.budget_fraction is None:
-            assert flops.total == count_flops(lambda s=s: bench._loss(s, wl).backward()), s.name
+            assert flops.total == count_flops(lambda s=s: _loss(s, wl).backward()), s.name
         else:
             # count_flops's module hooks run ops inside the planned regions that the plan never saw.
             with pytest.raises(CheckpointError, match="when the plan was made"):
-                count_flops(lambda s=s: bench._loss(s, wl).backward())
+                count_flops(lambda s=s: _loss(s, wl).backward())
 
 
 def test_results_written_before_the_planner_fields_still_load():
@@ -138,7 +159,7 @@ def test_global_state_detects_a_leftover_hook():
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     hooks.__enter__()
     try:
-        assert bench.global_state() != before
+        assert changes(before, bench.global_state()) == ["saved_tensors_hooks_on_stack: False -> True"]
     finally:
         hooks.__exit__()
-    assert bench.global_state() == before
+    assert_no_global_state(before)

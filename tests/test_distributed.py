@@ -1,4 +1,5 @@
-"""Tests for ``ckpt_lab.distributed``: DDP and FSDP with checkpointing, 2 processes, CPU and gloo.
+"""Tests for ``ckpt_lab.distributed`` (DDP and FSDP with checkpointing, 2 processes, CPU and gloo)
+and for the launcher it uses, ``ckpt_lab.helpers.processes``.
 
 Every distributed test starts 2 worker processes through ``run_workers``; the first one also starts
 the fork server (a few seconds of ``import torch``), the others take well under a second each.
@@ -7,6 +8,7 @@ the fork server (a few seconds of ``import torch``), the others take well under 
 from __future__ import annotations
 
 import gc
+import operator
 import os
 import queue
 import time
@@ -16,23 +18,57 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ckpt_lab import distributed
+from ckpt_lab.bench.strategies import by_label
 from ckpt_lab.distributed import (
     REENTRANT,
     STRATEGIES,
     TinyNet,
-    WorkerError,
-    _worker_main,
     ddp_train_steps,
     fail_on_rank,
-    free_port,
     fsdp_train_steps,
-    run_workers,
     sum_of_ranks,
     trace_parameter_hooks,
 )
+from ckpt_lab.helpers import processes
+from ckpt_lab.helpers.processes import WorkerError, _worker_main, free_port, run_workers
 
 NON_REENTRANT = [s for s in STRATEGIES if s not in (*REENTRANT, "none")]
 READY_TWICE = "Expected to mark a variable ready only once"
+
+
+# ------------------------------------------------------------------------------------ the model
+def test_strategies_are_the_registry_labels_in_notebook_order() -> None:
+    assert STRATEGIES == (
+        "none",
+        "torch reentrant",
+        "ckpt_lab.reentrant_checkpoint",
+        "torch non-reentrant",
+        "ckpt_lab.checkpoint",
+        "ckpt_lab.gradient_checkpoint_scope",
+    )
+    assert REENTRANT == ("torch reentrant", "ckpt_lab.reentrant_checkpoint")
+    assert all(by_label(label).block is not None for label in STRATEGIES)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_tinynet_runs_each_block_through_the_registry_wrapper(strategy: str) -> None:
+    torch.manual_seed(0)
+    model = TinyNet(strategy=strategy, repeat=2).double()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    # By hand: the stem, the registry's per-block wrapper twice over the blocks, the head.
+    h = model.stem(x)
+    for _ in range(2):
+        for block in model.blocks:
+            h = by_label(strategy).block(block, h)
+    assert torch.equal(model(x), model.head(h))
+
+
+def test_tinynet_refuses_unknown_and_whole_stack_strategies() -> None:
+    with pytest.raises(ValueError, match="no strategy is called 'nope'"):
+        TinyNet(strategy="nope")
+    with pytest.raises(ValueError, match="whole stack"):
+        TinyNet(strategy="ckpt_lab.checkpoint_sequential, √N segments")
 
 
 # ------------------------------------------------------------------------------------------- DDP
@@ -109,7 +145,13 @@ def test_fsdp_with_ckpt_lab_checkpoint_matches_reference_and_keeps_less() -> Non
     assert plain[0].retained_bytes == plain[1].retained_bytes
 
 
-# ---------------------------------------------------------------------------------------- launcher
+# ------------------------------------------------------------------- launcher (helpers.processes)
+def test_launcher_is_importable_from_distributed() -> None:
+    assert distributed.run_workers is processes.run_workers
+    assert distributed.WorkerError is processes.WorkerError
+    assert distributed.free_port is processes.free_port
+
+
 def test_results_come_back_in_rank_order() -> None:
     assert run_workers(fail_on_rank, world_size=2, bad_rank=-1) == [0, 1]
     assert run_workers(sum_of_ranks, world_size=3) == [3, 3, 3]
@@ -153,6 +195,11 @@ def test_timeout_kills_every_worker(tmp_path: Path) -> None:
     pids = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid"))]
     assert len(pids) == 2
     assert all(_gone(pid) for pid in pids)
+
+
+def test_runs_any_importable_function() -> None:
+    # The launcher knows nothing of ckpt_lab.distributed's workers: operator.add(rank, world_size).
+    assert run_workers(operator.add, world_size=2) == [2, 3]
 
 
 def test_refuses_functions_a_worker_cannot_import() -> None:

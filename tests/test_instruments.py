@@ -5,9 +5,10 @@ import warnings
 import pytest
 import torch
 
-from ckpt_lab.counting import CallCounter, OpCounter, count_flops
-from ckpt_lab.memory import LiveMemory, measure_memory
-from ckpt_lab.saved import SavedTensorLog
+from ckpt_lab.instruments.counting import CallCounter, OpCounter, count_flops
+from ckpt_lab.instruments.memory import LiveMemory, measure_memory
+from ckpt_lab.instruments.saved import SavedTensorLog
+from ckpt_lab.instruments.state import assert_no_global_state
 
 N = 1000
 S = 4 * N  # bytes of one float32 tensor of N elements
@@ -167,8 +168,8 @@ def test_op_counter_and_flops():
 def test_instruments_leave_nothing_behind():
     with LiveMemory(), OpCounter(), SavedTensorLog():
         pass
-    assert torch._C._len_torch_dispatch_stack() == 0
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    # No saved-tensor hooks, no dispatch mode, grad mode on, saved_tensors_hooks unpatched.
+    assert_no_global_state()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.randn(2, requires_grad=True).sin().sum().backward()

@@ -14,11 +14,10 @@ import torch
 from torch import nn
 from torch.autograd.graph import save_on_cpu
 
+from ckpt_lab.instruments.saved import SavedTensorLog
 from ckpt_lab.nonreentrant import checkpoint
 from ckpt_lab.offload import offload_to_cpu
-from ckpt_lab.saved import SavedTensorLog
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+from oracle import assert_all_equal, cuda
 
 CONTEXTS: dict[str, Callable[[], Any]] = {
     "none": contextlib.nullcontext,
@@ -30,13 +29,6 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
 def make_mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 8))
-
-
-def assert_all_equal(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> None:
-    assert len(a) == len(b)
-    for u, v in zip(a, b, strict=True):
-        assert u is not None and v is not None
-        assert torch.equal(u, v), (u - v).abs().max()
 
 
 # ------------------------------------------------------------------------------------- gradients

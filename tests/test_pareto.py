@@ -11,7 +11,8 @@ import json
 import pytest
 import torch
 
-from ckpt_lab import bench, pareto
+from ckpt_lab import bench
+from ckpt_lab.bench import pareto
 from ckpt_lab.planner import frontier
 
 FIXED = ("none", "per-block", "sqrt(N)", "torch SAC (matmuls)", "ckpt SAC (matmuls)")
@@ -32,7 +33,7 @@ def run(tmp_path_factory):
     # own, pytest's) are not walked each time. What the runs create is still collected.
     gc.freeze()
     try:
-        code = pareto.main(["--images", str(out), "--json", str(out / "p.json")], workloads=lambda: workloads)
+        code = pareto.main(["--out", str(out), "--json", str(out / "p.json")], workloads=lambda: workloads)
     finally:
         gc.unfreeze()
         torch.set_num_threads(threads)

@@ -28,6 +28,7 @@ from ckpt_lab.planner import (
     solve_dp,
     solve_greedy,
 )
+from oracle import assert_all_equal, grads
 
 
 # ------------------------------------------------------------------------------------------ solvers
@@ -106,11 +107,10 @@ def _leaves(blocks, x):
 
 
 def _grads(blocks, x, forward, seed=1):
-    for t in _leaves(blocks, x):
-        t.grad = None
+    grads(*_leaves(blocks, x))  # drop what an earlier backward left
     torch.manual_seed(seed)
     forward(x).square().mean().backward()
-    return [t.grad.clone() for t in _leaves(blocks, x)]
+    return grads(*_leaves(blocks, x))
 
 
 def _limits(blocks, x):
@@ -136,7 +136,7 @@ def test_planned_stack_meets_budget_prediction_and_gradients(method, fraction):
     assert p.retained_bytes <= budget
 
     expected = _grads(blocks, x, _stack(blocks))
-    assert all(torch.equal(a, b) for a, b in zip(_grads(blocks, x, p), expected, strict=True))
+    assert_all_equal(_grads(blocks, x, p), expected)
 
     # Memory: measured retained = prediction - x (made before the call) + output (kept by square) + loss.
     def loss():
@@ -186,9 +186,9 @@ def test_one_region_plan_and_torch_run_the_same_plan():
     run = _stack(blocks)
     p = plan(run, x, budget=x.nbytes + 20_000)
     expected = _grads(blocks, x, run)
-    assert all(torch.equal(a, b) for a, b in zip(_grads(blocks, x, p), expected, strict=True))
+    assert_all_equal(_grads(blocks, x, p), expected)
     via_torch = functools.partial(torch_checkpoint, run, use_reentrant=False, context_fn=p.torch_context_fn())
-    assert all(torch.equal(a, b) for a, b in zip(_grads(blocks, x, via_torch), expected, strict=True))
+    assert_all_equal(_grads(blocks, x, via_torch), expected)
 
 
 def test_profile_marks_views_inplace_random_and_filled_buffers():
@@ -282,6 +282,6 @@ def test_time_cost_profile_plans_within_budget():
     p = plan(_stack(blocks), x, budget=x.nbytes + 10_000, cost="time")
     assert p.retained_bytes <= x.nbytes + 10_000
     expected = _grads(blocks, x, _stack(blocks))
-    assert all(torch.equal(a, b) for a, b in zip(_grads(blocks, x, p), expected, strict=True))
+    assert_all_equal(_grads(blocks, x, p), expected)
     with pytest.raises(ValueError, match="'flops' or 'time'"):
         profile(_stack(blocks), x, cost="bytes")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -13,31 +14,23 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ckpt_lab.counting import CallCounter
-from ckpt_lab.memory import LiveMemory, measure_memory
+from ckpt_lab.instruments.counting import CallCounter
+from ckpt_lab.instruments.memory import LiveMemory, measure_memory
 from ckpt_lab.reentrant import CheckpointFunction, reentrant_checkpoint
+from oracle import (
+    REENTRANT,
+    assert_all_equal,
+    cuda,
+    output_and_grads,
+    plain,
+    run_chain,
+    saved_by,
+    sin_chain,
+    torch_reentrant,
+)
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def torch_reentrant(function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True) -> Any:
-    return torch_checkpoint(function, *args, use_reentrant=True, preserve_rng_state=preserve_rng_state)
-
-
-def plain(function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True) -> Any:
-    return function(*args)
-
-
-CHECKPOINTS = {"ours": reentrant_checkpoint, "torch": torch_reentrant}
-ALL = {"plain": plain, **CHECKPOINTS}
-
-
-def sin_chain(x: torch.Tensor, n: int = 6) -> torch.Tensor:
-    for _ in range(n):
-        x = x.sin()
-    return x
+ALL = {"plain": plain, **REENTRANT}
 
 
 def grads_after(
@@ -46,14 +39,9 @@ def grads_after(
     x: torch.Tensor,
     params: list[torch.Tensor],
     seed: int = 0,
-) -> list[torch.Tensor]:
+) -> list[torch.Tensor | None]:
     """Grads of ``(ckpt(fn, x) ** 2).sum()`` w.r.t. a fresh copy of ``x`` and ``params`` (seeded)."""
-    for p in params:
-        p.grad = None
-    x = x.detach().clone().requires_grad_()
-    torch.manual_seed(seed)
-    (ckpt(fn, x) ** 2).sum().backward()
-    return [x.grad, *(p.grad for p in params)]
+    return output_and_grads(functools.partial(ckpt, fn), x, params, seed=seed)[1:]
 
 
 def plain_grad(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -61,13 +49,6 @@ def plain_grad(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> t
     x = x.detach().clone().requires_grad_()
     fn(x).sum().backward()
     return x.grad
-
-
-def assert_all_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for u, v in zip(a, b, strict=True):
-        assert u is not None and v is not None
-        assert torch.equal(u, v), (u - v).abs().max()
 
 
 # ------------------------------------------------------------------------------------- gradients
@@ -211,7 +192,7 @@ def test_warning_when_no_input_requires_grad() -> None:
     assert not y.requires_grad
 
 
-@pytest.mark.parametrize("name", list(CHECKPOINTS))
+@pytest.mark.parametrize("name", list(REENTRANT))
 def test_seed_001_whole_subnet_input_without_grad(name: str) -> None:
     """Seed 001's failure: checkpoint a whole subnet whose input needs no grad -> warning, then the
     loss is a constant and backward fails; the parameters inside get no gradient either way."""
@@ -219,7 +200,7 @@ def test_seed_001_whole_subnet_input_without_grad(name: str) -> None:
     net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     x = torch.randn(4, 8)
     with pytest.warns(UserWarning, match="requires_grad"):
-        loss = CHECKPOINTS[name](net, x).sum()
+        loss = REENTRANT[name](net, x).sum()
     with pytest.raises(RuntimeError, match="element 0 of tensors does not require grad"):
         loss.backward()
     assert all(p.grad is None for p in net.parameters())
@@ -247,12 +228,12 @@ AUTOGRAD_GRAD_MESSAGES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CHECKPOINTS))
+@pytest.mark.parametrize("name", list(REENTRANT))
 def test_autograd_grad_raises_and_a_later_backward_still_works(name: str) -> None:
     """The check runs before anything is recomputed or accumulated, and the node's saved input is
     only released after a *successful* backward, so the graph survives: a plain backward works."""
     x = torch.randn(5, dtype=torch.float64, requires_grad=True)
-    loss = CHECKPOINTS[name](sin_chain, x).sum()
+    loss = REENTRANT[name](sin_chain, x).sum()
     with pytest.raises(RuntimeError) as error:
         torch.autograd.grad(loss, x)
     for fragment in AUTOGRAD_GRAD_MESSAGES[name]:
@@ -262,29 +243,29 @@ def test_autograd_grad_raises_and_a_later_backward_still_works(name: str) -> Non
     assert torch.equal(x.grad, plain_grad(sin_chain, x))
 
 
-@pytest.mark.parametrize("name", list(CHECKPOINTS))
+@pytest.mark.parametrize("name", list(REENTRANT))
 def test_after_autograd_grad_error_nodes_before_the_checkpoint_are_freed(name: str) -> None:
     """...but only if no node between the loss and the checkpoint had saved tensors: those already ran
     in the failed pass and released them (unless retain_graph=True)."""
     x = torch.randn(5, requires_grad=True)
-    loss = (CHECKPOINTS[name](sin_chain, x) ** 2).sum()  # PowBackward saves its input
+    loss = (REENTRANT[name](sin_chain, x) ** 2).sum()  # PowBackward saves its input
     with pytest.raises(RuntimeError, match=r"\.grad\(\)"):
         torch.autograd.grad(loss, x)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         loss.backward()
 
-    loss = (CHECKPOINTS[name](sin_chain, x) ** 2).sum()
+    loss = (REENTRANT[name](sin_chain, x) ** 2).sum()
     with pytest.raises(RuntimeError, match=r"\.grad\(\)"):
         torch.autograd.grad(loss, x, retain_graph=True)
     loss.backward()
     assert x.grad is not None
 
 
-@pytest.mark.parametrize("name", list(CHECKPOINTS))
+@pytest.mark.parametrize("name", list(REENTRANT))
 def test_backward_with_inputs_raises_and_a_later_backward_still_works(name: str) -> None:
     x = torch.randn(5, requires_grad=True)
     w = torch.randn(5, requires_grad=True)
-    loss = CHECKPOINTS[name](lambda a, b: (a * b).sin(), x, w).sum()
+    loss = REENTRANT[name](lambda a, b: (a * b).sin(), x, w).sum()
     with pytest.raises(RuntimeError, match=r"inputs"):
         loss.backward(inputs=[x])
     assert x.grad is None and w.grad is None
@@ -329,11 +310,11 @@ def test_caller_rng_stream_unchanged_by_forward_and_backward() -> None:
 # -------------------------------------------------------------------------------- recompute count
 
 
-@pytest.mark.parametrize("name", list(CHECKPOINTS))
+@pytest.mark.parametrize("name", list(REENTRANT))
 def test_function_runs_once_in_forward_once_in_backward(name: str) -> None:
     counter = CallCounter(sin_chain)
     x = torch.randn(8, requires_grad=True)
-    y = CHECKPOINTS[name](counter, x)
+    y = REENTRANT[name](counter, x)
     assert counter.count == 1
     y.sum().backward()
     assert counter.count == 2
@@ -350,23 +331,10 @@ def test_module_forward_count() -> None:
 # ---------------------------------------------------------------------------------------- memory
 
 
-def saved_by(ckpt: Callable[..., Any], fn: Callable[..., Any], *args: Any) -> list[torch.Tensor]:
-    """The tensors the autograd graph saves while ``ckpt(fn, *args)`` runs."""
-    saved: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        ckpt(fn, *args)
-    return saved
-
-
 def test_only_the_tensor_inputs_are_saved() -> None:
     x = torch.randn(1000, requires_grad=True)
     assert len(saved_by(plain, sin_chain, x)) == 6  # every sin saves its input
-    for ck in CHECKPOINTS.values():
+    for ck in REENTRANT.values():
         saved = saved_by(ck, sin_chain, x)
         assert len(saved) == 1 and saved[0] is x
 
@@ -459,42 +427,19 @@ def test_cuda_autocast_is_replayed() -> None:
 
 # ---------------------------------------------------------------------------------------- property
 
+# Names of oracle.CHAIN_OPS.
 OPS = st.sampled_from(["sin", "tanh", "scale", "matmul", "dropout"])
-
-
-def build_chain(
-    ops: list[str], width: int
-) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]]:
-    params: list[torch.Tensor] = []
-    steps: list[Callable[[torch.Tensor], torch.Tensor]] = []
-    for i, op in enumerate(ops):
-        if op == "sin":
-            steps.append(torch.sin)
-        elif op == "tanh":
-            steps.append(torch.tanh)
-        elif op == "scale":
-            steps.append(lambda t, k=0.5 + i: t * k)
-        elif op == "matmul":
-            w = (torch.randn(width, width, dtype=torch.float64) / width**0.5).requires_grad_()
-            params.append(w)
-            steps.append(lambda t, w=w: t @ w)
-        else:
-            steps.append(lambda t: F.dropout(t, 0.3))
-
-    def chain(x: torch.Tensor) -> torch.Tensor:
-        for step in steps:
-            x = step(x)
-        return x
-
-    return chain, params
 
 
 @settings(deadline=None, max_examples=25)
 @given(ops=st.lists(OPS, min_size=1, max_size=8), seed=st.integers(0, 2**16))
 def test_random_chains_match_plain_and_torch(ops: list[str], seed: int) -> None:
     torch.manual_seed(seed)
-    chain, params = build_chain(ops, width=8)
+    # Closed over, not an input: the weight gets its gradient from the recomputation's own backward.
+    w = (torch.randn(8, 8, dtype=torch.float64) / 8**0.5).requires_grad_()
     x = torch.randn(4, 8, dtype=torch.float64)
+    chain = lambda t: run_chain(ops, t, t, w)
+    params = [w] if "matmul" in ops else []
     got = {name: grads_after(ck, chain, x, params, seed=seed) for name, ck in ALL.items()}
     assert_all_equal(got["ours"], got["torch"])
     assert_all_equal(got["ours"], got["plain"])

@@ -20,12 +20,14 @@ from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ckpt_lab.scope as scope_module
-from ckpt_lab.counting import OpCounter
-from ckpt_lab.memory import LiveMemory, measure_memory
+from ckpt_lab.instruments.counting import OpCounter
+from ckpt_lab.instruments.memory import LiveMemory, measure_memory
+from ckpt_lab.instruments.state import assert_no_global_state
 from ckpt_lab.nonreentrant import CheckpointError
+from ckpt_lab.nonreentrant import checkpoint as ckpt_lab_checkpoint
 from ckpt_lab.scope import gradient_checkpoint_scope
+from oracle import assert_all_equal, cuda, grads, leaves
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 ORIGINAL_HOOKS = (saved_tensors_hooks.__enter__, saved_tensors_hooks.__exit__)
 
 
@@ -34,11 +36,10 @@ def top_hooks() -> Any:
 
 
 def assert_clean() -> None:
-    """No hooks, no dispatch mode, no registered scope storage, nothing patched."""
-    assert top_hooks() is None
-    assert torch._C._len_torch_dispatch_stack() == 0
+    """No global state (hooks, dispatch modes, grad mode, patched methods), no registered scope
+    storage, and this thread's resident hooks released."""
+    assert_no_global_state()
     assert not scope_module._OWNERS
-    assert (saved_tensors_hooks.__enter__, saved_tensors_hooks.__exit__) == ORIGINAL_HOOKS
     hooks = scope_module._thread.hooks
     assert hooks is None or (not hooks.live and hooks.resident is None and hooks.open is None)
 
@@ -55,33 +56,15 @@ def storage_ref(t: torch.Tensor) -> weakref.ref:
     return weakref.ref(t.untyped_storage())
 
 
-def assert_all_equal(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> None:
-    assert len(a) == len(b)
-    for u, v in zip(a, b, strict=True):
-        assert (u is None) == (v is None)
-        if u is not None:
-            assert torch.equal(u, v), (u - v).abs().max()
-
-
 def with_and_without(case: Callable[[Callable[[], Any]], list[torch.Tensor | None]]) -> list:
     """Run ``case(scope)`` with the real scope and with a no-op one, seeded alike; bitwise equal results."""
     results = {}
     for name, scope in (("plain", contextlib.nullcontext), ("scope", gradient_checkpoint_scope)):
         torch.manual_seed(0)
         results[name] = case(scope)
-    assert_all_equal(results["plain"], results["scope"])
+    # A gradient that is None without the scope must be None with it.
+    assert_all_equal(results["plain"], results["scope"], allow_none=True)
     return results["scope"]
-
-
-def grads(*tensors: torch.Tensor) -> list[torch.Tensor | None]:
-    out = [None if t.grad is None else t.grad.clone() for t in tensors]
-    for t in tensors:
-        t.grad = None
-    return out
-
-
-def leaves(*shapes: tuple[int, ...]) -> list[torch.Tensor]:
-    return [torch.randn(*shape, requires_grad=True) for shape in shapes]
 
 
 # ------------------------------------------------------------------------------------ the basics
@@ -419,7 +402,7 @@ def test_a_later_scope_keeps_an_earlier_scopes_tensor_it_reads() -> None:
             x = a.sin()
         ref = storage_ref(x)
         with scope():
-            y = (x * x).exp()  # x is an input of this scope: kept by reference (see _add_input)
+            y = (x * x).exp()  # x is an input of this scope: kept (NOTE [ Inputs are kept, not recomputed ])
         z = y * c
         del x, y
         assert ref() is not None
@@ -680,8 +663,6 @@ def test_a_scope_on_another_thread() -> None:
 
 @pytest.mark.parametrize("checkpoint", ["torch", "ckpt_lab"])
 def test_a_scope_inside_a_checkpointed_function_does_nothing(checkpoint: str) -> None:
-    from ckpt_lab.nonreentrant import checkpoint as ckpt_lab_checkpoint
-
     a, c = leaves((30,), (30,))
 
     def function(x: torch.Tensor, scope: Callable[[], Any]) -> torch.Tensor:
@@ -701,6 +682,89 @@ def test_a_scope_inside_a_checkpointed_function_does_nothing(checkpoint: str) ->
         return grads(a, c)
 
     with_and_without(case)
+
+
+def test_torch_checkpoints_pack_hooks_are_found() -> None:
+    # Read from torch's source once, at import: a torch that renamed them would show here.
+    names = sorted(code.co_qualname for code in scope_module._TORCH_CHECKPOINT_PACK_HOOKS)
+    assert names == [
+        "_checkpoint_hook.__init__.<locals>.pack_hook",
+        "_recomputation_hook.__init__.<locals>.pack_hook",
+    ]
+
+
+@pytest.mark.parametrize("checkpoint", ["torch", "ckpt_lab"])
+def test_a_scope_inside_a_checkpoint_re_run_outside_backward(checkpoint: str) -> None:
+    a = leaves((30,))[0]
+
+    def function(x: torch.Tensor) -> torch.Tensor:
+        with gradient_checkpoint_scope():
+            h = x.sin()
+        return h.cos().exp()
+
+    if checkpoint == "torch":
+        y = torch_checkpoint(function, a, use_reentrant=False)
+    else:
+        y = ckpt_lab_checkpoint(function, a)
+    # exp saved its output; reading it outside backward re-runs the region under the checkpoint's
+    # re-run hook (not inside backward): the scope must do nothing there too.
+    saved = y.grad_fn._saved_result
+    torch.testing.assert_close(saved, a.detach().sin().cos().exp())
+    del y, saved
+
+
+def position_checkpoint(
+    function: Callable[..., torch.Tensor], x: torch.Tensor, says_so: bool
+) -> torch.Tensor:
+    """A checkpoint defined here, outside torch and ckpt_lab: backward re-runs ``function`` and hands
+    out what the re-run saved by position. ``says_so``: its pack hooks carry ``recomputes_region``."""
+    saved_in_forward = []
+    recomputed: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> int:
+        saved_in_forward.append(tensor.shape)
+        return len(saved_in_forward) - 1
+
+    def unpack(position: int) -> torch.Tensor:
+        if not recomputed:
+
+            def save(tensor: torch.Tensor) -> torch.Tensor:
+                recomputed.append(tensor.detach())
+                return tensor
+
+            save.recomputes_region = says_so  # type: ignore[attr-defined]
+            with torch.enable_grad(), saved_tensors_hooks(save, lambda t: t):
+                function(x)
+            if [t.shape for t in recomputed] != saved_in_forward:
+                raise RuntimeError(
+                    f"the re-run saved {len(recomputed)} tensors, the forward {len(saved_in_forward)}"
+                )
+        return recomputed[position]
+
+    pack.recomputes_region = says_so  # type: ignore[attr-defined]
+    with saved_tensors_hooks(pack, unpack):
+        return function(x)
+
+
+def test_a_checkpoint_from_another_module_is_recognised_by_recomputes_region() -> None:
+    a, c = leaves((30,), (30,))
+
+    def function(x: torch.Tensor, scope: Callable[[], Any]) -> torch.Tensor:
+        with scope():
+            h = x.sin().exp()
+        return (h * c).cos()
+
+    def case(scope: Callable[[], Any]) -> list:
+        y = position_checkpoint(lambda x: function(x, scope), a, says_so=True)
+        y.sum().backward()
+        return grads(a, c)
+
+    with_and_without(case)
+    # Without the attribute the scope takes part in the forward only, and the positions disagree.
+    y = position_checkpoint(lambda x: function(x, gradient_checkpoint_scope), a, says_so=False)
+    with pytest.raises(RuntimeError, match="the re-run saved 5 tensors, the forward 3"):
+        y.sum().backward()
+    del y
 
 
 def test_torch_checkpoint_inside_the_scope() -> None:

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential as torch_checkpoint_sequential
 
-from ckpt_lab.counting import CallCounter
+from ckpt_lab.instruments.counting import CallCounter
 from ckpt_lab.sequential import checkpoint_sequential
+from oracle import assert_all_equal, output_and_grads, saved_by
 
 USE_REENTRANT = [True, False]
 
@@ -30,24 +31,11 @@ def make_layers(seed: int = 0) -> list[nn.Module]:
     ]
 
 
-def grads(
+def step(
     run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: list[nn.Parameter]
 ) -> list[Any]:
-    """Output and grads of ``(run(x) ** 2).sum()`` w.r.t. a fresh copy of ``x`` and ``params``."""
-    for p in params:
-        p.grad = None
-    x = x.detach().clone().requires_grad_()
-    torch.manual_seed(123)
-    out = run(x)
-    (out**2).sum().backward()
-    return [out.detach(), x.grad, *(p.grad for p in params)]
-
-
-def assert_all_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for u, v in zip(a, b, strict=True):
-        assert u is not None and v is not None
-        assert torch.equal(u, v), (u - v).abs().max()
+    """Output and grads of ``(run(x) ** 2).sum()`` w.r.t. a fresh copy of ``x`` and ``params`` (seeded)."""
+    return output_and_grads(run, x, params, seed=123)
 
 
 @pytest.mark.parametrize("use_reentrant", USE_REENTRANT)
@@ -59,13 +47,13 @@ def test_matches_torch_and_plain(container: str, segments: int, use_reentrant: b
     params = [p for layer in layers for p in layer.parameters()]
     x = torch.randn(5, 8)
 
-    ours = grads(
+    ours = step(
         lambda t: checkpoint_sequential(functions, segments, t, use_reentrant=use_reentrant), x, params
     )
-    theirs = grads(
+    theirs = step(
         lambda t: torch_checkpoint_sequential(functions, segments, t, use_reentrant=use_reentrant), x, params
     )
-    reference = grads(nn.Sequential(*layers), x, params)
+    reference = step(nn.Sequential(*layers), x, params)
     assert_all_equal(ours, theirs)
     assert_all_equal(ours, reference)
 
@@ -74,8 +62,8 @@ def test_matches_torch_and_plain(container: str, segments: int, use_reentrant: b
 def test_plain_callables(use_reentrant: bool) -> None:
     functions = [torch.sin, lambda t: t * 3, torch.tanh, torch.exp, torch.cos]
     x = torch.randn(10, dtype=torch.float64)
-    ours = grads(lambda t: checkpoint_sequential(functions, 2, t, use_reentrant=use_reentrant), x, [])
-    theirs = grads(lambda t: torch_checkpoint_sequential(functions, 2, t, use_reentrant=use_reentrant), x, [])
+    ours = step(lambda t: checkpoint_sequential(functions, 2, t, use_reentrant=use_reentrant), x, [])
+    theirs = step(lambda t: torch_checkpoint_sequential(functions, 2, t, use_reentrant=use_reentrant), x, [])
     assert_all_equal(ours, theirs)
 
 
@@ -101,20 +89,11 @@ def test_recompute_counts_per_layer(segments: int, expected: list[int]) -> None:
 
 
 def test_only_segment_inputs_and_last_chunk_activations_are_saved() -> None:
-    saved: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t)
-        return t
-
     functions = [torch.sin] * 6
     x = torch.randn(100, requires_grad=True)
     counts = {}
     for name, fn in {"ours": checkpoint_sequential, "torch": torch_checkpoint_sequential}.items():
-        saved.clear()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn(functions, 3, x, use_reentrant=True)
-        counts[name] = len(saved)
+        counts[name] = len(saved_by(fn, functions, 3, x, use_reentrant=True))
     # Two checkpointed chunks save their inputs (x and h2); the last chunk's two sins save theirs.
     assert counts == {"ours": 4, "torch": 4}
 
@@ -140,8 +119,8 @@ def test_preserve_rng_state_false_changes_dropout_grads() -> None:
     layers = make_layers()
     params = [p for layer in layers for p in layer.parameters()]
     x = torch.randn(5, 8)
-    reference = grads(nn.Sequential(*layers), x, params)
-    no_rng = grads(
+    reference = step(nn.Sequential(*layers), x, params)
+    no_rng = step(
         lambda t: checkpoint_sequential(layers, 3, t, use_reentrant=True, preserve_rng_state=False), x, params
     )
     assert torch.equal(no_rng[0], reference[0])  # the forward itself is unaffected

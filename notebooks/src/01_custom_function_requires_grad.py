@@ -42,10 +42,10 @@ from ckpt_lab.grad_rule import (
     predict_needs_input_grad,
     predict_requires_grad,
 )
-from ckpt_lab.memory import measure_memory
-from ckpt_lab.saved import SavedTensorLog
-from ckpt_lab.show import show_source
-from ckpt_lab.viz import draw_graph, plot_memory_bars, save_figure
+from ckpt_lab.helpers.show import show_source
+from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, save_figure
+from ckpt_lab.instruments.memory import measure_memory
+from ckpt_lab.instruments.saved import SavedTensorLog
 
 _ = torch.manual_seed(0)
 print("torch", torch.__version__)

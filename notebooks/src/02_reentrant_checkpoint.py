@@ -48,15 +48,15 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import checkpoint_sequential as torch_checkpoint_sequential
 
 import ckpt_lab
-from ckpt_lab.counting import CallCounter, OpCounter, count_flops
 from ckpt_lab.grad_rule import InputSpec, OutputSpec, predict_requires_grad
-from ckpt_lab.memory import LiveMemory, measure_memory
+from ckpt_lab.helpers.show import show_source
+from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, plot_timeline, save_figure
+from ckpt_lab.instruments.counting import CallCounter, OpCounter, count_flops
+from ckpt_lab.instruments.memory import LiveMemory, measure_memory
+from ckpt_lab.instruments.saved import SavedTensorLog
 from ckpt_lab.reentrant import CheckpointFunction, reentrant_checkpoint
 from ckpt_lab.rng import ReplayState, fork_rng
-from ckpt_lab.saved import SavedTensorLog
 from ckpt_lab.sequential import checkpoint_sequential
-from ckpt_lab.show import show_source
-from ckpt_lab.viz import draw_graph, plot_memory_bars, plot_timeline, save_figure
 
 _ = torch.manual_seed(0)
 print("torch", torch.__version__)

@@ -66,8 +66,9 @@ from ckpt_lab import (
     measure_memory,
     reentrant_checkpoint,
 )
+from ckpt_lab.helpers.show import show_source
+from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, plot_timeline, save_figure
 from ckpt_lab.nonreentrant import (
-    _checkpoint,
     _Frame,
     _graph_task_id,
     _Handle,
@@ -76,8 +77,6 @@ from ckpt_lab.nonreentrant import (
     _SaveInputs,
     _unpack_from_handle,
 )
-from ckpt_lab.show import show_source
-from ckpt_lab.viz import draw_graph, plot_memory_bars, plot_timeline, save_figure
 
 _ = torch.manual_seed(0)
 print("torch", torch.__version__)
@@ -538,17 +537,13 @@ except RuntimeError as error:
 # `ckpt_lab.checkpoint` keeps draft 2's single re-run and fixes the rest. Top down, the entry point:
 # snapshot RNG and autocast state (notebook 02's `ReplayState`), build a frame that holds the inputs,
 # and run the function under the frame's two hooks.
+#
+# Its one extra keyword is torch's `context_fn`: a pair of context managers entered around the forward
+# and around each re-run. Plain checkpointing leaves it empty; notebook 05's selective checkpointing
+# plugs its two dispatch modes in there.
 
 # %%
 show_source(checkpoint)
-
-# %% [markdown]
-# It hands over to `_checkpoint`, the same function with one more slot, torch's `context_fn`: a pair
-# of context managers entered around the forward and around each re-run. Plain checkpointing leaves
-# it empty; notebook 05's selective checkpointing plugs its two dispatch modes in there.
-
-# %%
-show_source(_checkpoint)
 
 # %% [markdown]
 # The frame saves the inputs **through autograd**, as saved tensors of a do-nothing node, instead of

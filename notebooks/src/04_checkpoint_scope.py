@@ -64,9 +64,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckpt_lab.scope as scope_module
 from ckpt_lab import CheckpointError, LiveMemory, OpCounter, gradient_checkpoint_scope, measure_memory
-from ckpt_lab.scope import _AfterBackward, _Pack, _Recording, _RecordingMode, _ResidentHooks
-from ckpt_lab.show import show_source
-from ckpt_lab.viz import plot_memory_bars, save_figure
+from ckpt_lab.helpers.show import show_source
+from ckpt_lab.helpers.viz import plot_memory_bars, save_figure
+from ckpt_lab.instruments.state import assert_no_global_state
+from ckpt_lab.scope import (
+    _AfterBackward,
+    _PackHook,
+    _Recording,
+    _RecordingMode,
+    _Replayer,
+    _ResidentHooks,
+    _restack,
+)
 
 # Kept before anything could patch them: the peer (RETURNN) replaces these two methods.
 ORIGINAL_HOOKS_METHODS = (saved_tensors_hooks.__enter__, saved_tensors_hooks.__exit__)
@@ -105,7 +114,7 @@ def hooks_stack():
 
 def describe(entry):
     pack = entry[0]
-    if isinstance(pack, _Pack):
+    if isinstance(pack, _PackHook):
         return "ours: resident" if pack.below is None else f"ours, others to {describe(pack.below)}"
     return getattr(pack, "__name__", type(pack).__name__)
 
@@ -390,10 +399,44 @@ del x, y, z
 show_source(gradient_checkpoint_scope)
 
 # %% [markdown]
-# **Recording.** `_RecordingMode` hands every op to the `_Recording`, which replaces each tensor
-# argument by its *slot* (an outside tensor gets a slot of its own, kept by strong reference and
-# checked by version at replay) and gives each new storage an owner entry, so that a pack hook can
-# recognise it, and its views, by storage.
+# "Inside a checkpointed function" is the one condition with a story. A checkpoint such as
+# torch's non-reentrant one re-runs its function in backward and matches the tensors the re-run
+# saves to the forward's *by position*; in backward a scope does nothing, so a scope that acted in
+# the forward would shift the positions. The scope recognises such a checkpoint by its pack hook,
+# not by the name of its module: torch's by the code objects of its pack hooks, any other by an
+# attribute, `recomputes_region = True`, that its pack hook carries (ckpt_lab's checkpoint sets it).
+
+# %%
+show_source(scope_module, start="# NOTE [ A scope inside a checkpoint ]", stop="def _pack_hook_codes")
+
+
+# %%
+from ckpt_lab import checkpoint as ckpt_lab_checkpoint
+
+
+def pack_hook_inside(run_checkpoint):
+    """The innermost pack hook, as a function run by ``run_checkpoint`` sees it."""
+    seen = []
+
+    def function(x):
+        seen.append(top_hooks()[0])
+        return x.sin()
+
+    run_checkpoint(function, torch.randn(3, requires_grad=True))
+    return seen[0]
+
+
+checkpoints = {"torch.utils.checkpoint": torch_checkpoint, "ckpt_lab.checkpoint": ckpt_lab_checkpoint}
+for name, run_checkpoint in checkpoints.items():
+    print(f"{name:<32} recognised:", scope_module._recomputes_region(pack_hook_inside(run_checkpoint)))
+with saved_tensors_hooks(log_pack, log_unpack):
+    print(f"{'a user saved_tensors_hooks':<32} recognised:", scope_module._recomputes_region(top_hooks()[0]))
+
+# %% [markdown]
+# **Recording.** `_RecordingMode` hands every op to the `_Recording`, the scope's tape, which
+# replaces each tensor argument by its *slot* (an outside tensor gets a slot of its own, kept by
+# strong reference and checked by version at replay), keeps one `_SlotRecord` per slot, and gives
+# each new storage an owner entry, so that a pack hook can recognise it, and its views, by storage.
 
 # %%
 show_source(_RecordingMode)
@@ -402,24 +445,26 @@ show_source(_RecordingMode)
 show_source(_Recording.record)
 
 # %% [markdown]
-# **Packing.** One `_Pack` object per entry of ours. A scope tensor becomes a `_Handle`; anything
-# else goes to the hook this entry stands in for (`below`), or, for the resident entry, is stored as
-# autograd would store it (`_Stored`, with autograd's version check redone).
+# **Packing.** One `_PackHook` object per entry of ours. A scope tensor becomes a
+# `_ScopeTensorRef`; anything else goes to the hook this entry stands in for (`below`), or, for the
+# resident entry, is stored as autograd would store it (`_Stored`, with autograd's version check
+# redone).
 
 # %%
-show_source(_Pack)
+show_source(_PackHook)
 
 # %% [markdown]
 # **Replaying.** The first unpack of a backward replays the recording once, under `no_grad`, with the
 # forward's RNG state inside a fork and autocast off (the recorded ops are already cast), stopping
 # after the last op that writes a wanted tensor and freeing intermediates as soon as no later op
-# reads them. Every recomputed tensor is handed out to its handles, then dropped.
+# reads them. A `_Replayer` does this for each recording; every recomputed tensor is handed out to
+# the references that want it, then dropped.
 
 # %%
-show_source(_Recording.serve)
+show_source(_Replayer.serve)
 
 # %%
-show_source(_Recording._replay)
+show_source(_Replayer._replay)
 
 # %% [markdown]
 # ### The hard part: hooks that outlive the `with` block
@@ -450,9 +495,9 @@ print("stack empty after backward:", top_hooks() is None)
 del y
 
 # %% [markdown]
-# While open, the scope's own entry (a `_Pack` whose `below` is the user's pair) sat on top of the
-# user's, passing non-scope tensors down to it. When the scope closed while `x` lived, the stack
-# became *resident* at the bottom, and above it a *wrapper*: another `_Pack` standing in for the
+# While open, the scope's own entry (a `_PackHook` whose `below` is the user's pair) sat on top of
+# the user's, passing non-scope tensors down to it. When the scope closed while `x` lived, the stack
+# became *resident* at the bottom, and above it a *wrapper*: another `_PackHook` standing in for the
 # user's pair; the user's
 # `__exit__` popped the wrapper; and when `x`'s storage died (a `weakref` callback on the storage,
 # see `_storage_died`), the resident entry was taken out: the stack is exactly as if we had never
@@ -462,12 +507,12 @@ del y
 show_source(_ResidentHooks, start="def open_scope", stop="def release_if_idle")
 
 # %%
-show_source(_ResidentHooks._restack)
+show_source(_restack)
 
 # %% [markdown]
 # **Releasing during backward.** The last scope tensor may die *inside* backward: a later scope that
-# read `x` keeps it (see `_Recording._add_input`), and that recording dies when backward frees its
-# handles. But the autograd engine restores the thread-local state, hooks stack included, after
+# read `x` keeps it (see NOTE [ Inputs are kept, not recomputed ] in `ckpt_lab/scope.py`), and that
+# recording's replayer dies when backward frees the references to it. But the autograd engine restores the thread-local state, hooks stack included, after
 # every node, silently undoing any change made there. A check of that fact: pop an entry from a
 # tensor hook during backward.
 
@@ -595,10 +640,12 @@ def run_peer(name, case):
 
 
 def assert_clean():
-    assert top_hooks() is None
-    assert torch._C._len_torch_dispatch_stack() == 0
+    """The project's shared check (hooks, dispatch modes, grad mode, patched methods), plus the scope's
+    own: no storage registered, and this thread's resident entry released."""
+    assert_no_global_state()
     assert not scope_module._OWNERS
-    assert (saved_tensors_hooks.__enter__, saved_tensors_hooks.__exit__) == ORIGINAL_HOOKS_METHODS
+    hooks = scope_module._thread.hooks
+    assert hooks is None or (not hooks.live and hooks.resident is None and hooks.open is None)
     return True
 
 
@@ -902,14 +949,15 @@ print("clean:", assert_clean())
 # * **The caching allocator.** Freed blocks go back to PyTorch's cache, not to the driver:
 #   `memory_allocated` drops when `x` dies (4 MiB here), `memory_reserved` does not. Peak numbers
 #   in the allocator include its rounding to block sizes; `LiveMemory`'s do not.
-# * **Asynchrony.** Kernels are queued on a stream; the Python-side bookkeeping (recording, handles,
+# * **Asynchrony.** Kernels are queued on a stream; the Python-side bookkeeping (recording, references,
 #   releasing storages) happens at queue time. The replay runs on the stream backward uses for that
 #   node, so its kernels are ordered with backward's as usual.
 # * **Backward runs in a device thread.** The autograd engine runs CUDA nodes on a worker thread of
 #   its own. A scope tensor that dies there cannot touch the calling thread's hooks stack; and the
 #   engine may drop its graph task (and with it `_AfterBackward`) on that thread. The resident entry
 #   then stays until the owning thread's next safe point (the next scope opened or closed there, or a
-#   scope tensor freed there); until then it merely stores what it is given. See the module docstring.
+#   scope tensor freed there); until then it merely stores what it is given. See NOTE [ Safe points ]
+#   in `ckpt_lab/scope.py`.
 #
 # Honest status: the outputs stored in this notebook were produced on a CPU. The CUDA branch above
 # and `tests/test_scope.py`'s two CUDA tests are what exercise the GPU path; this notebook's author

@@ -52,9 +52,11 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ckpt_lab import CheckpointError, bench, checkpoint, measure_memory, reentrant_checkpoint
-from ckpt_lab import pareto as pareto_module
 from ckpt_lab import planner as planner_module
 from ckpt_lab.batchnorm import skip_stats_update_in_recompute
+from ckpt_lab.bench import pareto as pareto_module
+from ckpt_lab.helpers.show import show_source
+from ckpt_lab.helpers.viz import save_figure
 from ckpt_lab.offload import offload_to_cpu
 from ckpt_lab.planner import (
     CostCounter,
@@ -69,8 +71,6 @@ from ckpt_lab.planner import (
     solve_greedy,
 )
 from ckpt_lab.selective import SAVE, _SaveMode, _ServeMode, must_rerun, selective_checkpoint
-from ckpt_lab.show import show_source
-from ckpt_lab.viz import save_figure
 
 _ = torch.manual_seed(0)
 print("torch", torch.__version__)
@@ -187,16 +187,8 @@ class DraftServeMode(TorchDispatchMode):
 
 def draft_selective(function, x, policy):
     cache = []
-    # ckpt_lab's checkpoint engine takes torch's context_fn: a forward mode and a recompute mode.
-    from ckpt_lab.nonreentrant import _checkpoint
-
-    return _checkpoint(
-        function,
-        (x,),
-        {},
-        preserve_rng_state=True,
-        context_fn=lambda: (DraftSaveMode(cache, policy), DraftServeMode(cache)),
-    )
+    # ckpt_lab.checkpoint takes torch's context_fn: a forward mode and a recompute mode.
+    return checkpoint(function, x, context_fn=lambda: (DraftSaveMode(cache, policy), DraftServeMode(cache)))
 
 
 # %% [markdown]
@@ -601,7 +593,7 @@ _ = blocks[2].train()
 #
 # Memory kept against recomputation, for a transformer stack and an MLP stack: no checkpointing,
 # per-block checkpointing, √N segments, "save the matmuls" (ours and torch's, which coincide), the
-# planner at several budgets, and CPU offload. `ckpt_lab.pareto` measures every point the way
+# planner at several budgets, and CPU offload. `ckpt_lab.bench.pareto` measures every point the way
 # section 4 did.
 
 # %%

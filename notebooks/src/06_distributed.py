@@ -35,7 +35,9 @@
 # 7. What needed a GPU, and what did not
 #
 # Every claim stands on a printed or asserted number (booleans, counts, bytes), and nbval re-checks
-# them. The code lives in `ckpt_lab/distributed.py`; the notebook shows it rather than copying it.
+# them. The code lives in `ckpt_lab/distributed.py` (the workers, the model, the replay of DDP's
+# bookkeeping) and `ckpt_lab/helpers/processes.py` (the launcher); the notebook shows it rather than
+# copying it.
 
 # %%
 import matplotlib.pyplot as plt
@@ -48,16 +50,16 @@ from ckpt_lab.distributed import (
     STRATEGIES,
     ParameterHooks,
     TinyNet,
-    WorkerError,
     ddp_train_steps,
     fail_on_rank,
     fsdp_train_steps,
-    run_workers,
     sum_of_ranks,
     trace_parameter_hooks,
 )
-from ckpt_lab.show import show_source
-from ckpt_lab.viz import draw_graph, plot_memory_bars, save_figure
+from ckpt_lab.helpers import processes
+from ckpt_lab.helpers.processes import WorkerError, run_workers
+from ckpt_lab.helpers.show import show_source
+from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, save_figure
 
 _ = torch.manual_seed(0)
 print("torch", torch.__version__, "| gloo available:", dist.is_gloo_available())
@@ -68,9 +70,9 @@ print("torch", torch.__version__, "| gloo available:", dist.is_gloo_available())
 # A distributed job is several processes, one per device ("rank"), that meet in a *process group*
 # and then exchange tensors with collectives (`all_reduce`, `broadcast`, ...). `torchrun` starts
 # them from a shell; from a notebook we start them ourselves. `run_workers(fn, world_size, timeout,
-# **kwargs)` starts `world_size` processes, joins them in a gloo group (rank 0 listens on
-# `127.0.0.1` and a free port), runs `fn(rank, world_size, **kwargs)` in each and returns their
-# results in rank order:
+# **kwargs)` (a notebook helper, `ckpt_lab/helpers/processes.py`, which knows nothing of DDP) starts
+# `world_size` processes, joins them in a gloo group (rank 0 listens on `127.0.0.1` and a free port),
+# runs `fn(rank, world_size, **kwargs)` in each and returns their results in rank order:
 
 # %%
 show_source(run_workers)
@@ -113,7 +115,7 @@ show_source(fail_on_rank)
 # And the worker's side of the launcher: join the group, run `fn`, report, always leave the group.
 
 # %%
-show_source(distributed._worker_main)
+show_source(processes._worker_main)
 
 # %%
 def failure_of(how, **options):
@@ -155,10 +157,22 @@ print("how='hang':  TimeoutError:", hung)
 # notebook 01), and all-reduces gradients in buckets as soon as a bucket is complete, overlapping
 # communication with the rest of backward.
 #
-# The model: a stem, three residual blocks, a head. Each block runs through one of six strategies:
+# The model: a stem, three residual blocks, a head. Each block runs through one of six strategies,
+# named by their labels in the project's one registry of strategies, `ckpt_lab/bench/strategies.py`
+# (the benchmark measures the same entries). A label is a string, so it travels to the workers;
+# each worker looks up the function there. What each label runs per block:
+#
+# | label | the registry's per-block wrapper |
+# |---|---|
+# | `none` | `block(x)` |
+# | `torch reentrant` | `torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)` |
+# | `ckpt_lab.reentrant_checkpoint` | `reentrant_checkpoint(block, x)` (notebook 02) |
+# | `torch non-reentrant` | `torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)` |
+# | `ckpt_lab.checkpoint` | `checkpoint(block, x)` (notebook 03) |
+# | `ckpt_lab.gradient_checkpoint_scope` | `with gradient_checkpoint_scope(): block(x)` (notebook 04) |
 
 # %%
-show_source(distributed, start="class Block", stop="class TinyNet")
+show_source(distributed, start="# The strategies notebook 06 runs", stop="class TinyNet")
 
 # %%
 show_source(TinyNet, start="    def forward")

@@ -37,6 +37,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ckpt_lab._aten import storage_of
+
 __all__ = ["LiveMemory", "MemoryReport", "measure_memory"]
 
 
@@ -128,16 +130,8 @@ class LiveMemory(TorchDispatchMode):
 
 
 def _storages(leaves: list[Any]) -> list[torch.UntypedStorage]:
-    storages = []
-    for t in leaves:
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            continue
-        try:
-            storages.append(t.untyped_storage())
-        except (RuntimeError, NotImplementedError):
-            # Wrapper subclasses (and some meta/fake tensors) have no real storage: a blind spot.
-            continue
-    return storages
+    # Tensors without a real storage (wrapper subclasses, some fake tensors) are a blind spot.
+    return [s for t in leaves if isinstance(t, torch.Tensor) and (s := storage_of(t)) is not None]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Introduced in notebook 05. Each strategy of the earlier notebooks trades memory 
 fixed point; the planner (``ckpt_lab.planner``) can be asked for any budget in between. This module
 puts them on one picture, for a transformer stack and an MLP stack:
 
-    python -m ckpt_lab.pareto [--images DIR] [--json PATH]     # about a minute on 2 cores
+    python -m ckpt_lab.bench.pareto [--out DIR] [--json PATH]   # about a minute on 2 cores
+    python -m ckpt_lab.bench.pareto --refresh-readme          # rewrite images/05_pareto.png (make pareto)
 
 Both axes are exact counts, identical on every run and machine:
 
@@ -41,10 +42,15 @@ from typing import Any
 
 import torch
 
-from ckpt_lab import bench
-from ckpt_lab.memory import measure_memory
+from ckpt_lab.bench.strategies import REGISTRY, StackRun, planner_range
+from ckpt_lab.bench.workloads import Workload, mlp, transformer
+from ckpt_lab.instruments.flops import CostCounter
+from ckpt_lab.instruments.memory import measure_memory
 from ckpt_lab.offload import offload_to_cpu
-from ckpt_lab.planner import CostCounter, frontier
+from ckpt_lab.planner import frontier
+
+# The checkout, for --refresh-readme (the package is installed editable: ckpt_lab/bench/ -> root).
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 __all__ = ["FRACTIONS", "Point", "exact_frontier", "main", "measure_points", "plot", "table"]
 
@@ -52,7 +58,7 @@ __all__ = ["FRACTIONS", "Point", "exact_frontier", "main", "measure_points", "pl
 FRACTIONS = (0, 0.1, 0.25, 0.5, 0.75, 1.0)
 # The same seed before every run: the same dropout masks, so gradients can be compared bit for bit.
 SEED = 1
-# The fixed strategies, by their name in ckpt_lab.bench.
+# The fixed strategies: how this picture labels them, and their names in the registry.
 _FIXED = {
     "none": "none",
     "per-block": "ckpt-nonreentrant",
@@ -100,7 +106,7 @@ class _Measured:
     moved: int = 0
 
 
-def _measure(wl: bench.Workload, run: bench.Run, offload: bool = False) -> _Measured:
+def _measure(wl: Workload, run: StackRun, offload: bool = False) -> _Measured:
     """One seeded forward + backward: retained bytes (planner terms), CostCounter total, gradients."""
     sizes: dict[str, Any] = {}
 
@@ -131,11 +137,11 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def measure_points(workload: bench.Workload, budgets_fractions: Sequence[float] = FRACTIONS) -> list[Point]:
+def measure_points(workload: Workload, budgets_fractions: Sequence[float] = FRACTIONS) -> list[Point]:
     """Measure every strategy on ``workload``: the fixed ones, the planner (DP and greedy) at each
     budget fraction, and CPU offload. See the module docstring for what the numbers mean."""
     wl = workload
-    runs = {s.name: s.run for s in bench.strategies(include_returnn=False)}
+    runs = {name: s.run for name, s in REGISTRY.items()}
     baseline = _measure(wl, runs["none"])
 
     def point(name: str, m: _Measured, **fields: Any) -> Point:
@@ -150,7 +156,7 @@ def measure_points(workload: bench.Workload, budgets_fractions: Sequence[float] 
     # With one segment checkpoint_sequential checkpoints nothing (the last segment runs plainly).
     points[2].note = f"{segments} segment{'s' if segments > 1 else ': nothing checkpointed'}"
 
-    planner = bench.planner_range(wl.blocks, wl.input)
+    planner = planner_range(wl.blocks, wl.input)
     measured: dict[tuple[frozenset[int], ...], _Measured] = {}
     for method in ("dp", "greedy"):
         for fraction in budgets_fractions:
@@ -184,11 +190,11 @@ def measure_points(workload: bench.Workload, budgets_fractions: Sequence[float] 
     return points
 
 
-def exact_frontier(workload: bench.Workload, n: int = 40) -> list[tuple[int, float]]:
+def exact_frontier(workload: Workload, n: int = 40) -> list[tuple[int, float]]:
     """The planner's predicted (retained bytes, recompute FLOPs) at ``n`` budgets from min to max (DP)."""
     if n < 2:
         raise ValueError(f"exact_frontier: n must be at least 2 (the smallest and largest budgets), not {n}.")
-    planner = bench.planner_range(workload.blocks, workload.input)
+    planner = planner_range(workload.blocks, workload.input)
     budgets = [planner.budget(i / (n - 1)) for i in range(n)]
     return frontier(planner.profiles, budgets, "dp")
 
@@ -297,18 +303,24 @@ def table(points: list[Point]) -> str:
     return "\n".join(lines)
 
 
-def _default_workloads() -> list[bench.Workload]:
-    return [bench.transformer(4), bench.mlp(8)]
+def _default_workloads() -> list[Workload]:
+    return [transformer(4), mlp(8)]
 
 
 def main(
-    argv: list[str] | None = None, workloads: Callable[[], list[bench.Workload]] = _default_workloads
+    argv: list[str] | None = None, workloads: Callable[[], list[Workload]] = _default_workloads
 ) -> int:
     """The CLI; ``workloads`` lets tests run it on small stacks."""
-    parser = argparse.ArgumentParser(prog="python -m ckpt_lab.pareto", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=Path, default=bench.ROOT / "images", help="where 05_pareto.png goes")
+    parser = argparse.ArgumentParser(
+        prog="python -m ckpt_lab.bench.pareto", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--out", type=Path, default=Path("results"), help="where 05_pareto.png goes")
+    parser.add_argument(
+        "--refresh-readme", action="store_true", help="rewrite the README's images/05_pareto.png"
+    )
     parser.add_argument("--json", type=Path, help="also write the points and frontiers here")
     args = parser.parse_args(argv)
+    images = ROOT / "images" if args.refresh_readme else args.out
 
     points: dict[str, list[Point]] = {}
     frontiers: dict[str, list[tuple[int, float]]] = {}
@@ -319,7 +331,7 @@ def main(
         print(f"{wl.name} ({wl.depth} blocks, input {x / 2**20:.3f} MiB)")
         print(table(points[wl.name]))
         print()
-    path = args.images / "05_pareto.png"
+    path = images / "05_pareto.png"
     plot(points, frontiers, path)
     print(f"plot: {path}")
     if args.json:

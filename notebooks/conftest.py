@@ -1,4 +1,8 @@
-"""pytest configuration shared by the unit tests and nbval."""
+"""nbval's configuration for the notebooks (``pytest notebooks/*.ipynb --nbval ...``, see the Makefile).
+
+Here, not at the root: pytest imports every conftest as the module ``conftest``, and the tests share
+their helpers through ``tests/oracle.py`` instead. tests/test_nbval_svg.py checks this hook.
+"""
 
 
 def pytest_collectstart(collector):

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
-from ckpt_lab.counting import OpCounter
+from ckpt_lab.instruments.counting import OpCounter
 
 __all__ = ["IMAGES", "GraphPicture", "draw_graph", "plot_memory_bars", "plot_timeline", "save_figure"]
 
-IMAGES = Path(__file__).resolve().parent.parent / "images"
+# The checkout's images/ folder (the package is installed editable: ckpt_lab/helpers/ -> root).
+IMAGES = Path(__file__).resolve().parent.parent.parent / "images"
 
 
 def _saving() -> bool:

@@ -13,8 +13,8 @@ reported apart from activations: every strategy keeps them anyway.
 
 Blind spots: only the innermost hooks run, so tensors saved while another ``saved_tensors_hooks``
 is active inside the region (e.g. by ``ckpt_lab.checkpoint`` or ``torch.utils.checkpoint`` with
-``use_reentrant=False``) are not seen here; use ``ckpt_lab.memory.LiveMemory`` for those. Tensors a
-custom Function stores on ``ctx`` directly (``ctx.x = x``) bypass the hooks too.
+``use_reentrant=False``) are not seen here; use ``ckpt_lab.LiveMemory`` for those. Tensors a custom
+Function stores on ``ctx`` directly (``ctx.x = x``) bypass the hooks too.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+
+from ckpt_lab._aten import storage_key
 
 __all__ = ["SavedEntry", "SavedTensorLog"]
 
@@ -57,7 +59,7 @@ class SavedTensorLog(saved_tensors_hooks):
 
     def __init__(self) -> None:
         self.entries: list[SavedEntry] = []
-        # Weak references to the storages seen, by id; the weakref tells a reused id from the same one.
+        # Weak references to the storages seen, by ``storage_key``.
         self._storages: dict[int, weakref.ref] = {}
         super().__init__(self._pack, self._unpack)
 
@@ -67,10 +69,12 @@ class SavedTensorLog(saved_tensors_hooks):
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        seen = self._storages.get(id(storage))
+        key = storage_key(tensor)
+        # A key is reused once its storage is gone: the weakref tells an old storage from a new one.
+        seen = self._storages.get(key)
         first = seen is None or seen() is not storage
         if first:
-            self._storages[id(storage)] = weakref.ref(storage)
+            self._storages[key] = weakref.ref(storage)
         self.entries.append(
             SavedEntry(
                 shape=tuple(tensor.shape),

@@ -1,0 +1,107 @@
+"""Facts about tensors and aten ops that several modules need, each computed one way.
+
+* **Storage identity.** Two tensors share memory exactly when they share a storage (a view, an
+  in-place result, an ``out=`` argument). The key is ``id()`` of the storage's Python object: PyTorch
+  keeps that object alive exactly as long as the storage itself (and hands out the same one every
+  time), so the id is unique among live storages, and ``weakref.finalize`` on it fires when the memory
+  is freed. A key may be reused once its storage is gone.
+* **What an op writes.** The schema marks written arguments (``Tensor(a!) self`` of ``add_``, ``out=``
+  arguments); autograd bumps their version counters after the op returns. A few ops write into
+  arguments their schema does not mark: batch norm in training mode updates its running statistics
+  in place, with no version bump.
+
+Used by the instruments (``LiveMemory``, ``SavedTensorLog``), the scope, selective checkpointing and
+the planner.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["OpInfo", "is_view", "op_info", "storage_key", "storage_keys", "storage_of", "tensors_in"]
+
+
+# --------------------------------------------------------------------------------- storage identity
+def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage ``tensor`` lives in, or None if it has none of its own (sparse tensors, wrapper
+    subclasses, some fake tensors): such tensors are never counted as memory."""
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def storage_key(tensor: torch.Tensor) -> int | None:
+    """The identity of ``tensor``'s storage (see the module docstring), or None if it has none."""
+    storage = storage_of(tensor)
+    return None if storage is None else id(storage)
+
+
+def storage_keys(tensors: Any) -> set[int]:
+    """The identities of the storages behind ``tensors`` (an iterable of tensors)."""
+    keys = {storage_key(t) for t in tensors}
+    keys.discard(None)
+    return keys  # type: ignore[return-value]
+
+
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors among the leaves of a (nested) structure of arguments or outputs."""
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def is_view(op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> bool:
+    """Does a non-mutating op return an alias of one of its inputs (``t``, ``view``, ``expand``)?"""
+    outputs = storage_keys(tensors_in(out))
+    return not op._schema.is_mutable and bool(outputs & storage_keys(tensors_in((args, kwargs))))
+
+
+# ---------------------------------------------------------------------------------- what an op writes
+class OpInfo(NamedTuple):
+    """What an aten op's schema says, looked up once per op (``op_info``)."""
+
+    func: Any  # kept so that its id, the cache's key, stays valid
+    # (position, name, marked) of each argument the op writes in place; marked: the schema says so
+    # (``Tensor(a!)``), and then autograd bumps the argument's version counter once the op returns.
+    writes: tuple[tuple[int, str, bool], ...]
+    fresh: tuple[bool, ...]  # per return: True if it is new memory, False if it aliases an argument
+
+    def written(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The tensors a call with ``args`` and ``kwargs`` writes to."""
+        tensors = []
+        for position, name, _ in self.writes:
+            value = args[position] if position < len(args) else kwargs.get(name)
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    tensors.append(t)
+        return tensors
+
+
+# Ops that write into arguments their schema does not mark as written (``Tensor?`` not ``Tensor(a!)``):
+# in training mode they update the running statistics in place, without a version bump.
+_RUNNING_STATS = ((3, "running_mean", False), (4, "running_var", False))
+_UNMARKED_WRITES = {
+    torch.ops.aten.native_batch_norm: _RUNNING_STATS,
+    torch.ops.aten.cudnn_batch_norm: _RUNNING_STATS,
+    torch.ops.aten.miopen_batch_norm: _RUNNING_STATS,
+}
+# Keyed by id: an OpOverload's __hash__ is a Python method, too slow to call once per op.
+_OP_INFO: dict[int, OpInfo] = {}
+
+
+def op_info(func: Any) -> OpInfo:
+    """What ``func``'s schema says about writes and fresh memory (cached per op)."""
+    info = _OP_INFO.get(id(func))
+    if info is None:
+        schema = func._schema
+        writes = tuple(
+            (i, arg.name, True)
+            for i, arg in enumerate(schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+        writes += _UNMARKED_WRITES.get(func.overloadpacket, ())
+        fresh = tuple(ret.alias_info is None for ret in schema.returns)
+        info = _OP_INFO[id(func)] = OpInfo(func, writes, fresh)
+    return info

@@ -1,0 +1,84 @@
+"""Benchmark: every checkpointing strategy side by side, in one process.
+
+    python -m ckpt_lab.bench --quick          # small workloads, about a minute on 2 cores
+    python -m ckpt_lab.bench                  # the README's workloads (about 9 minutes)
+    python -m ckpt_lab.bench --refresh-readme # the same, and rewrite the README's figures (make bench)
+
+Results and plots go to ``results/`` (ignored by git), or to ``--out DIR``; only ``--refresh-readme``
+writes into the tracked ``bench/results.json`` and ``images/bench_*.png``. The run fails (exit 1) if
+any strategy's gradients differ from no checkpointing, or if a strategy of ours or torch's leaves
+global state behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ckpt_lab.bench.measure import Result, run
+from ckpt_lab.bench.report import plot, table
+
+# The checkout, for --refresh-readme (the package is installed editable: ckpt_lab/bench/ -> root).
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ckpt_lab.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small workloads, under a minute on 2 cores")
+    parser.add_argument("--rounds", type=int, help="timing rounds (default 7, quick 3)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("results"), help="folder for results and plots")
+    parser.add_argument(
+        "--refresh-readme",
+        action="store_true",
+        help="write bench/results.json and images/bench_*.png in the checkout (the README's figures)",
+    )
+    parser.add_argument("--json", type=Path, help="write the results to this file instead")
+    parser.add_argument("--images", type=Path, help="write the plots to this folder instead")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--strategies", help="comma-separated names to run (none is always included)")
+    parser.add_argument(
+        "--no-returnn", action="store_true", help="leave RETURNN's scope out even if installed"
+    )
+    args = parser.parse_args(argv)
+    if args.refresh_readme and args.quick:
+        parser.error("--refresh-readme writes the README's figures: run it without --quick")
+
+    name = "results-quick.json" if args.quick else "results.json"
+    default_json, default_images = (
+        (ROOT / "bench" / name, ROOT / "images") if args.refresh_readme else (args.out / name, args.out)
+    )
+    only = args.strategies.split(",") if args.strategies else None
+    report = run(args.quick, args.rounds, args.device, include_returnn=not args.no_returnn, only=only)
+    results = [Result(**r) for r in report["results"]]
+    print(table(results))
+    print()
+    for check in report["targets"]:
+        verdict = "PASS" if check["ok"] else "MISS"
+        print(f"{verdict}  {check['workload']:15} {check['target']}: {check['figure']}")
+    if not report["meta"]["returnn"]:
+        print(
+            "returnn-scope: absent (pip install returnn to compare with RETURNN's gradient_checkpoint_scope)"
+        )
+    out = args.json or default_json
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\nresults: {out}")
+    if not args.no_plots:
+        for path in plot(results, args.images or default_images):
+            print(f"plot: {path}")
+    # Wrong gradients anywhere, or global state left behind by a strategy of ours or torch's, fail the run;
+    # the peer's known state leak is reported above as a MISS.
+    broken = [r for r in results if not r.grad_ok or (not r.state_ok and r.strategy != "returnn-scope")]
+    if broken:
+        print("\nFAILED: " + ", ".join(f"{r.workload}/{r.strategy}" for r in broken), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The benchmark's report: a plain-text table and two plots (retained memory against depth, and the
+memory-time trade-off)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ckpt_lab.bench.measure import Result
+
+__all__ = ["plot", "table"]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:8.2f}"
+
+
+def table(results: list[Result]) -> str:
+    lines = [
+        f"{'workload':15} {'strategy':22} {'retained MiB':>12} {'peak MiB':>9} {'GFLOP':>7} "
+        f"{'ops':>6} {'time/none':>9} {'time/ref':>8} {'grad':>5} {'state':>5}"
+    ]
+    for r in results:
+        ref = f"{r.time_vs_reference:.2f}x" if r.time_vs_reference is not None else "-"
+        lines.append(
+            f"{r.workload:15} {r.strategy:22} {_mib(r.retained_bytes):>12} {_mib(r.peak_bytes):>9} "
+            f"{r.flops / 1e9:7.2f} {r.aten_ops:6d} {r.time_vs_none:8.2f}x {ref:>8} "
+            f"{'ok' if r.grad_ok else 'FAIL':>5} {'ok' if r.state_ok else 'FAIL':>5}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], images: Path) -> list[Path]:
+    """Retained memory against depth (with a sqrt(N) guide), and the memory-time trade-off."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    images.mkdir(parents=True, exist_ok=True)
+    written = []
+    mlp_results = [r for r in results if r.family == "mlp" and r.retained_bytes]
+    depths = sorted({r.depth for r in mlp_results})
+    if len(depths) > 1:
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        for name in dict.fromkeys(r.strategy for r in mlp_results):
+            pts = sorted((r.depth, r.retained_bytes / 2**20) for r in mlp_results if r.strategy == name)
+            style = "--" if name.startswith("torch") else "-"
+            ax.plot(*zip(*pts, strict=True), style, marker="o", label=name)
+        seq = {r.depth: r.retained_bytes for r in mlp_results if r.strategy == "torch-sequential-sqrt"}
+        if seq:
+            d0 = depths[0]
+            ax.plot(
+                depths,
+                [seq[d0] / 2**20 * math.sqrt(d / d0) for d in depths],
+                ":",
+                color="gray",
+                label="∝ √N guide",
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("MLP depth N (blocks)")
+        ax.set_ylabel("retained after forward (MiB)")
+        ax.set_title("Activation memory kept for backward")
+        ax.legend(fontsize=7, ncol=2)
+        path = images / "bench_memory_vs_depth.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+
+    deepest: dict[str, int] = {}
+    for r in results:
+        if r.retained_bytes and (r.family not in deepest or r.depth > deepest[r.family]):
+            deepest[r.family] = r.depth
+    names = list(dict.fromkeys(r.strategy for r in results))
+    colors = {name: plt.cm.tab10(i % 10) for i, name in enumerate(names)}
+    markers = {"none": "*", "torch": "s", "ckpt": "o", "returnn": "^"}
+    fig, axes = plt.subplots(1, len(deepest), figsize=(4.5 * len(deepest), 4), squeeze=False)
+    for ax, (family, depth) in zip(axes[0], sorted(deepest.items()), strict=True):
+        rows = [r for r in results if r.family == family and r.depth == depth and r.retained_bytes]
+        none = next(r for r in rows if r.strategy == "none")
+        for r in rows:
+            marker = markers[r.strategy.split("-")[0]]
+            ax.scatter(r.time_vs_none, r.peak_bytes / none.peak_bytes, s=45, marker=marker,
+                       color=colors[r.strategy], label=r.strategy, alpha=0.85)
+        ax.set_xlabel("time / none (median of per-round ratios)")
+        ax.set_ylabel("peak live bytes / none")
+        ax.set_title(f"{family}, {depth} blocks")
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(5, len(labels)), fontsize=8,
+               bbox_to_anchor=(0.5, -0.12))
+    fig.tight_layout()
+    path = images / "bench_tradeoff.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    written.append(path)
+    return written

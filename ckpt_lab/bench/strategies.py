@@ -1,0 +1,237 @@
+"""Every way this project runs a stack of blocks, in one registry.
+
+The benchmark measures them side by side, the Pareto sweep places some of them on its picture, and
+notebook 06's model (``ckpt_lab.distributed.TinyNet``) runs its blocks through the per-block ones
+by name, so a strategy is written once. Each ``Strategy`` has:
+
+* ``name``, the benchmark's identifier (``ckpt-nonreentrant``), and ``label``, what a reader calls it
+  (``ckpt_lab.checkpoint``);
+* ``run(blocks, x)``, the whole stack; and ``block(block, x)``, one block, for strategies that work
+  block by block (``None`` for those that see the whole stack, like ``checkpoint_sequential``);
+* ``reference``: the torch strategy it reimplements, whose bytes it must match.
+
+The planner strategies (``ckpt-plan-25``, ``ckpt-plan-50``, notebook 05) plan once per stack and
+input shape (``planner_range``), at a quarter and half of the way from the smallest useful budget to
+the largest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import checkpoint as torch_ckpt
+
+from ckpt_lab.nonreentrant import checkpoint
+from ckpt_lab.planner import Plan, Profile, budget_range, profile_sequential, solve
+from ckpt_lab.reentrant import reentrant_checkpoint
+from ckpt_lab.scope import gradient_checkpoint_scope
+from ckpt_lab.selective import selective_checkpoint
+from ckpt_lab.sequential import checkpoint_sequential
+
+__all__ = ["REGISTRY", "PlannerRange", "Strategy", "by_label", "planner_range", "strategies"]
+
+BlockRun = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+StackRun = Callable[[Sequence[nn.Module], torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How to run a stack of blocks (see the module docstring)."""
+
+    name: str
+    label: str
+    run: StackRun
+    block: BlockRun | None = None
+    reference: str | None = None
+    # Measured in a process of its own (with "none" beside it), because it leaves global state behind
+    # that would break the strategies measured after it.
+    isolated: bool = False
+    # Planner strategies: where their budget lies between the stack's smallest and largest
+    # (``PlannerRange.budget``); the benchmark makes the plan before anything is measured or timed.
+    budget_fraction: float | None = None
+
+
+def _per_block(name: str, label: str, block: BlockRun, **fields: Any) -> Strategy:
+    def run(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+        for b in blocks:
+            x = block(b, x)
+        return x
+
+    return Strategy(name, label, run, block, **fields)
+
+
+# ------------------------------------------------------------------------------------- one block each
+def _plain(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return block(x)
+
+
+def _torch_reentrant(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch_ckpt.checkpoint(block, x, use_reentrant=True)
+
+
+def _torch_nonreentrant(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch_ckpt.checkpoint(block, x, use_reentrant=False)
+
+
+# Save the outputs of matmuls (expensive to recompute), recompute everything else.
+_MATMULS = [
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+]
+
+
+def _torch_sac(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    context = lambda: torch_ckpt.create_selective_checkpoint_contexts(_MATMULS)
+    return torch_ckpt.checkpoint(block, x, use_reentrant=False, context_fn=context)
+
+
+def _ckpt_sac(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return selective_checkpoint(block, x, policy=_MATMULS)
+
+
+def _scoped(scope: Callable[[], Any]) -> BlockRun:
+    def block_in_scope(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with scope():
+            return block(x)
+
+    return block_in_scope
+
+
+# -------------------------------------------------------------------------------- the whole stack
+def _sqrt_segments(n: int) -> int:
+    return max(1, round(math.sqrt(n)))
+
+
+def _torch_sequential(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    segments = _sqrt_segments(len(blocks))
+    return torch_ckpt.checkpoint_sequential(nn.Sequential(*blocks), segments, x, use_reentrant=False)
+
+
+def _ckpt_sequential(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    return checkpoint_sequential(list(blocks), _sqrt_segments(len(blocks)), x, use_reentrant=False)
+
+
+@dataclass
+class PlannerRange:
+    """One stack's profiles (one per block) and the budgets worth planning for.
+
+    ``minimum`` is the blocks' inputs alone (plain per-block checkpointing keeps nothing else);
+    ``maximum`` is what the plan keeps with no limit. Budgets between them are given as a fraction.
+    """
+
+    # Held so that the id the cache is keyed on can't be reused by another list while cached.
+    blocks: Sequence[nn.Module]
+    profiles: tuple[Profile, ...]
+    minimum: int
+    maximum: int
+    plans: dict[tuple[float, str], Plan] = field(default_factory=dict, repr=False)
+
+    def budget(self, fraction: float) -> int:
+        return self.minimum + round(fraction * (self.maximum - self.minimum))
+
+    def plan(self, fraction: float, method: str = "dp") -> Plan:
+        """The plan at ``budget(fraction)``, solved once and then reused."""
+        key = (fraction, method)
+        if key not in self.plans:
+            self.plans[key] = solve(self.profiles, self.budget(fraction), method)
+        return self.plans[key]
+
+
+# Kept for the life of the process (a benchmark plans a handful of stacks).
+_RANGES: dict[tuple[Any, ...], PlannerRange] = {}
+
+
+def planner_range(blocks: Sequence[nn.Module], x: torch.Tensor) -> PlannerRange:
+    """Profile ``blocks`` on ``x`` once per stack and input shape (cached: ``id(blocks)``, shape, dtype)."""
+    key = (id(blocks), tuple(x.shape), x.dtype, x.device)
+    cached = _RANGES.get(key)
+    # The same id may belong to a new list once the old one is gone: only a hit on the same list counts.
+    if cached is None or cached.blocks is not blocks:
+        # Profiling every block is the slow part; solving for a budget takes milliseconds.
+        profiles = profile_sequential(blocks, x)
+        cached = _RANGES[key] = PlannerRange(blocks, profiles, *budget_range(profiles))
+    return cached
+
+
+def _planned(fraction: float) -> StackRun:
+    def run(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+        return planner_range(blocks, x).plan(fraction)(x)
+
+    return run
+
+
+# ------------------------------------------------------------------------------------------ registry
+_ALWAYS = [
+    _per_block("none", "none", _plain),
+    _per_block("torch-reentrant", "torch reentrant", _torch_reentrant),
+    _per_block("torch-nonreentrant", "torch non-reentrant", _torch_nonreentrant),
+    Strategy("torch-sequential-sqrt", "torch checkpoint_sequential, √N segments", _torch_sequential),
+    _per_block("torch-sac-matmul", "torch selective, matmuls saved", _torch_sac),
+    _per_block(
+        "ckpt-reentrant", "ckpt_lab.reentrant_checkpoint", reentrant_checkpoint, reference="torch-reentrant"
+    ),
+    _per_block("ckpt-nonreentrant", "ckpt_lab.checkpoint", checkpoint, reference="torch-nonreentrant"),
+    Strategy(
+        "ckpt-sequential-sqrt",
+        "ckpt_lab.checkpoint_sequential, √N segments",
+        _ckpt_sequential,
+        reference="torch-sequential-sqrt",
+    ),
+    _per_block(
+        "ckpt-sac-matmul",
+        "ckpt_lab.selective_checkpoint, matmuls saved",
+        _ckpt_sac,
+        reference="torch-sac-matmul",
+    ),
+    # No torch reference: torch's memory-budget solver exists only under torch.compile.
+    Strategy("ckpt-plan-25", "ckpt_lab.planner, 25% of its range", _planned(0.25), budget_fraction=0.25),
+    Strategy("ckpt-plan-50", "ckpt_lab.planner, 50% of its range", _planned(0.5), budget_fraction=0.5),
+    _per_block(
+        "ckpt-scope",
+        "ckpt_lab.gradient_checkpoint_scope",
+        _scoped(gradient_checkpoint_scope),
+        reference="returnn-scope",
+    ),
+]
+# The strategies that need nothing beyond this package, by name ("none" first).
+REGISTRY: dict[str, Strategy] = {s.name: s for s in _ALWAYS}
+
+
+def _returnn() -> Strategy | None:
+    """RETURNN's ``gradient_checkpoint_scope``, if ``returnn`` is installed (``pip install returnn``)."""
+    try:
+        from returnn.torch.util.gradient_checkpoint import gradient_checkpoint_scope as returnn_scope
+    except ImportError:
+        return None
+    label = "RETURNN's gradient_checkpoint_scope"
+    return _per_block("returnn-scope", label, _scoped(returnn_scope), isolated=True)
+
+
+def strategies(include_returnn: bool = True, only: list[str] | None = None) -> list[Strategy]:
+    """Every strategy available in this environment ("none" first), or "none" and those in ``only``."""
+    found = list(REGISTRY.values())
+    peer = _returnn() if include_returnn else None
+    if peer is not None:
+        found.append(peer)
+    if only:
+        unknown = set(only) - {s.name for s in found}
+        if unknown:
+            raise ValueError(f"unknown or unavailable strategies: {sorted(unknown)}")
+        found = [s for s in found if s.name == "none" or s.name in only]
+    return found
+
+
+def by_label(label: str) -> Strategy:
+    """The registered strategy a reader calls ``label`` (``"ckpt_lab.checkpoint"``)."""
+    for s in REGISTRY.values():
+        if s.label == label:
+            return s
+    labels = sorted(s.label for s in REGISTRY.values())
+    raise ValueError(f"no strategy is called {label!r}; the registered ones are {labels}")

@@ -1,0 +1,106 @@
+"""The models every strategy is measured on: stacks of blocks, each with its input.
+
+Shared by the benchmark, the Pareto sweep, notebook 05 and the tests, so that "mlp-8" means one
+thing everywhere. Every factory seeds torch before building, so two calls give the same weights and
+input; every block is in training mode (dropout active).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FACTORIES", "PointwiseBlock", "Workload", "mlp", "pointwise", "suite", "transformer"]
+
+
+@dataclass
+class Workload:
+    """A stack of blocks and an input; ``family`` groups workloads that differ only in depth."""
+
+    family: str
+    depth: int
+    blocks: list[nn.Module]
+    input: torch.Tensor
+    # How to build it again in another process: its factory's name in ``FACTORIES`` and its arguments.
+    spec: tuple[str, dict[str, Any]] = ("", {})
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}-{self.depth}"
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [p for block in self.blocks for p in block.parameters()]
+
+
+def mlp(depth: int, width: int = 1024, batch: int = 64, device: str = "cpu") -> Workload:
+    """``depth`` blocks of Linear + GELU + Dropout."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.1)) for _ in range(depth)]
+    x = torch.randn(batch, width)
+    spec = ("mlp", {"depth": depth, "width": width, "batch": batch, "device": device})
+    return Workload("mlp", depth, [b.to(device).train() for b in blocks], x.to(device).requires_grad_(), spec)
+
+
+def transformer(
+    depth: int, d_model: int = 256, nhead: int = 4, seq: int = 128, batch: int = 8, device: str = "cpu"
+) -> Workload:
+    """``depth`` ``nn.TransformerEncoderLayer`` blocks (dropout 0.1, batch first)."""
+    torch.manual_seed(0)
+    blocks = [
+        nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward=4 * d_model, dropout=0.1, batch_first=True)
+        for _ in range(depth)
+    ]
+    x = torch.randn(batch, seq, d_model)
+    spec = (
+        "transformer",
+        {"depth": depth, "d_model": d_model, "nhead": nhead, "seq": seq, "batch": batch, "device": device},
+    )
+    return Workload(
+        "transformer", depth, [b.to(device).train() for b in blocks], x.to(device).requires_grad_(), spec
+    )
+
+
+class PointwiseBlock(nn.Module):
+    """Ten cheap pointwise ops: the per-op overhead of hooks and dispatch modes dominates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(5):
+            x = torch.sin(x) * self.scale
+        return x
+
+
+def pointwise(depth: int, size: int = 64, device: str = "cpu") -> Workload:
+    """``depth`` ``PointwiseBlock``s on a ``size`` x ``size`` input."""
+    torch.manual_seed(0)
+    x = torch.randn(size, size)
+    spec = ("pointwise", {"depth": depth, "size": size, "device": device})
+    return Workload(
+        "pointwise",
+        depth,
+        [PointwiseBlock().to(device) for _ in range(depth)],
+        x.to(device).requires_grad_(),
+        spec,
+    )
+
+
+FACTORIES = {"mlp": mlp, "transformer": transformer, "pointwise": pointwise}
+
+
+def suite(quick: bool, device: str = "cpu") -> Iterator[Workload]:
+    """The benchmark's workloads: the README's six, or four small ones (``quick``, about a minute)."""
+    if quick:
+        yield from (mlp(d, width=256, batch=16, device=device) for d in (4, 8))
+        yield transformer(2, d_model=64, nhead=4, seq=32, batch=4, device=device)
+        yield pointwise(8, device=device)
+    else:
+        yield from (mlp(d, device=device) for d in (8, 16, 32))
+        yield from (transformer(d, device=device) for d in (4, 8))
+        yield pointwise(32, device=device)

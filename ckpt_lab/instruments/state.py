@@ -1,0 +1,56 @@
+"""Global state a checkpoint must leave as it found it.
+
+A checkpoint pushes saved-tensor hooks, enters dispatch modes, turns grad mode off and on; a peer
+implementation may even patch ``saved_tensors_hooks``' methods. Anything of that left behind breaks
+the *next* user's hooks, silently. ``global_state()`` reads all of it; the benchmark compares it
+before and after every strategy, and the tests and notebook 04 assert ``assert_no_global_state()``
+after every scope.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._C._autograd import _top_saved_tensors_default_hooks
+from torch.autograd.graph import saved_tensors_hooks
+
+__all__ = ["CLEAN", "assert_no_global_state", "changes", "global_state"]
+
+
+def _method_names() -> tuple[str, str]:
+    # By qualified name: a patched method (RETURNN's scope patches both) has another one.
+    return (saved_tensors_hooks.__enter__.__qualname__, saved_tensors_hooks.__exit__.__qualname__)
+
+
+def global_state() -> dict[str, Any]:
+    """This thread's saved-tensor hooks, dispatch modes and grad mode, and the hooks' methods."""
+    return {
+        # False: the real stack, as a user's next ``saved_tensors_hooks`` will find it.
+        "saved_tensors_hooks_on_stack": _top_saved_tensors_default_hooks(False) is not None,
+        "dispatch_modes": torch._C._len_torch_dispatch_stack(),
+        "grad_enabled": torch.is_grad_enabled(),
+        "saved_tensors_hooks_methods": _method_names(),
+    }
+
+
+# What a fresh interpreter has: no hooks, no modes, grad on, torch's own methods.
+CLEAN: dict[str, Any] = {
+    "saved_tensors_hooks_on_stack": False,
+    "dispatch_modes": 0,
+    "grad_enabled": True,
+    "saved_tensors_hooks_methods": ("saved_tensors_hooks.__enter__", "saved_tensors_hooks.__exit__"),
+}
+
+
+def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """What differs between two ``global_state()`` readings, one ``key: before -> after`` each."""
+    return [f"{key}: {before[key]} -> {after[key]}" for key in before if before[key] != after[key]]
+
+
+def assert_no_global_state(before: dict[str, Any] = CLEAN) -> bool:
+    """Raise ``AssertionError`` naming what differs from ``before`` (a fresh interpreter's state by
+    default); return True, so that a notebook cell can print the verdict."""
+    left = changes(before, global_state())
+    assert not left, "global state left behind: " + "; ".join(left)
+    return True
