@@ -21,7 +21,17 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["OpInfo", "is_view", "op_info", "storage_key", "storage_keys", "storage_of", "tensors_in"]
+__all__ = [
+    "OpInfo",
+    "is_view",
+    "new_storages",
+    "op_info",
+    "storage_key",
+    "storage_keys",
+    "storage_of",
+    "storages",
+    "tensors_in",
+]
 
 
 # --------------------------------------------------------------------------------- storage identity
@@ -47,6 +57,23 @@ def storage_keys(tensors: Any) -> set[int]:
     return keys  # type: ignore[return-value]
 
 
+def storages(tensors: Any) -> dict[int, torch.UntypedStorage]:
+    """The distinct storages behind ``tensors`` (an iterable of tensors), by key, in order."""
+    found: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        storage = storage_of(t)
+        if storage is not None:
+            found.setdefault(id(storage), storage)
+    return found
+
+
+def new_storages(args: Any, kwargs: Any, out: Any) -> dict[int, torch.UntypedStorage]:
+    """The storages among an op's outputs that none of its arguments has, by key: the new memory the
+    op made. (Views, in-place and ``out=`` results live in an argument's storage.)"""
+    inputs = storages(tensors_in((args, kwargs)))
+    return {key: s for key, s in storages(tensors_in(out)).items() if key not in inputs}
+
+
 def tensors_in(tree: Any) -> list[torch.Tensor]:
     """The tensors among the leaves of a (nested) structure of arguments or outputs."""
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
@@ -68,14 +95,14 @@ class OpInfo(NamedTuple):
     writes: tuple[tuple[int, str, bool], ...]
     fresh: tuple[bool, ...]  # per return: True if it is new memory, False if it aliases an argument
 
-    def written(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        """The tensors a call with ``args`` and ``kwargs`` writes to."""
+    def written(self, args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, bool]]:
+        """The tensors a call with ``args`` and ``kwargs`` writes to, each with its ``marked`` flag."""
         tensors = []
-        for position, name, _ in self.writes:
+        for position, name, marked in self.writes:
             value = args[position] if position < len(args) else kwargs.get(name)
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, torch.Tensor):
-                    tensors.append(t)
+                    tensors.append((t, marked))
         return tensors
 
 

@@ -12,7 +12,7 @@ In one process: ``trace_parameter_hooks(model, x)`` -> a ``ParameterHooks`` per 
 DDP's reducer counts, replayed without DDP.
 
 The model: ``TinyNet(strategy=label)``, a stack of ``Block``; ``STRATEGIES``, the labels notebook 06
-runs (from the registry, ``ckpt_lab.bench.strategies``), and ``REENTRANT`` among them. The launcher
+runs (from the registry, ``ckpt_lab.strategies``), and ``REENTRANT`` among them. The launcher
 (``run_workers``, ``WorkerError``, ``free_port``) lives in ``ckpt_lab.helpers.processes`` and is
 importable from here.
 """
@@ -37,11 +37,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from ckpt_lab.bench.strategies import REGISTRY, by_label
 from ckpt_lab.helpers.processes import WorkerError, free_port, run_workers
 from ckpt_lab.instruments.counting import CallCounter
 from ckpt_lab.instruments.memory import measure_memory
 from ckpt_lab.nonreentrant import checkpoint
+from ckpt_lab.strategies import REGISTRY, by_label
 
 __all__ = [
     "REENTRANT",
@@ -93,7 +93,7 @@ def fail_on_rank(
 
 # ========================================================================== the strategies and the model
 # The strategies notebook 06 runs, by label, in the order its tables print them. Every one comes from
-# the project's registry (ckpt_lab/bench/strategies.py); the labels travel to the worker processes,
+# the project's registry (ckpt_lab/strategies.py); the labels travel to the worker processes,
 # and each worker looks its strategy up there: functions would have to be pickled, names needn't.
 STRATEGIES: tuple[str, ...] = tuple(
     REGISTRY[name].label

@@ -41,7 +41,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
-from ckpt_lab._aten import op_info, storage_key, storage_keys, tensors_in
+from ckpt_lab._aten import new_storages, op_info, storage_key, storage_keys, storages, tensors_in
 
 # The cost model lives with the instruments (the benchmark counts with it too); importable from here.
 from ckpt_lab.instruments.flops import CostCounter, matmul_flops, op_cost
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------- entry points: profile, solve, plan
+# ------------------------------------------------- entry points: plan a function, or a chain of blocks
 def plan(
     function: Callable[..., Any],
     *args: Any,
@@ -169,36 +169,21 @@ class _ProfileMode(TorchDispatchMode):
         if func in SAC_IGNORED_OPS:
             return out
         rerun = must_rerun(func, args, kwargs, out)
-        outputs = tensors_in(out)
-        new = storage_keys(outputs) - storage_keys(tensors_in((args, kwargs)))
         # Bytes per new storage (a multi-output op like native_layer_norm owns several).
-        nbytes = {
-            storage_key(t): t.untyped_storage().nbytes()
-            for t in _unique_storages(outputs)
-            if storage_key(t) in new
-        }
+        nbytes = {key: storage.nbytes() for key, storage in new_storages(args, kwargs, out).items()}
         cost: float = op_cost(func, args, kwargs, out)
         if self.cost == "time":
             # In-place and random ops can't be run again just to time them (that would change their
             # input or the generator); they run in every recomputation whatever the plan, so leaving
             # them out shifts every plan's cost alike and changes no choice. Views cost nothing.
             cost = 0.0 if rerun else _seconds(func, args, kwargs, self.repeats)
-        for tensor in op_info(func).written(args, kwargs):
+        for tensor, _ in op_info(func).written(args, kwargs):
             if storage_key(tensor) in self.maker:
                 self.mutated.add(self.maker[storage_key(tensor)])
-        for key in new:
+        for key in nbytes:
             self.maker[key] = len(self.rows)
         self.rows.append((func, nbytes, cost, rerun))
         return out
-
-
-def _unique_storages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for t in tensors:
-        key = storage_key(t)
-        if key is not None:
-            seen.setdefault(key, t)
-    return list(seen.values())
 
 
 def _seconds(func: Any, args: Any, kwargs: Any, repeats: int) -> float:
@@ -254,9 +239,24 @@ def profile(
         )
         for i, (func, nbytes, cost_i, rerun) in enumerate(mode.rows)
     )
-    inputs = _unique_storages(tensors_in((args, kwargs)))
-    input_bytes = sum(t.untyped_storage().nbytes() for t in inputs)
+    input_bytes = sum(s.nbytes() for s in storages(tensors_in((args, kwargs))).values())
     return Profile(function, ops, input_bytes, "FLOPs" if cost == "flops" else "seconds")
+
+
+def profile_sequential(
+    functions: Sequence[Callable[[torch.Tensor], torch.Tensor]], input: torch.Tensor, cost: str = "flops"
+) -> tuple[Profile, ...]:
+    """One profile per function of a chain (e.g. per block of a stack), each on its real input."""
+    profiles = []
+    x = input
+    for function in functions:
+        profiles.append(profile(function, x, cost=cost))
+        # The next block's profile needs this block's output; no graph is kept.
+        with torch.no_grad(), fork_rng(tensor_devices(x)):
+            x = function(x)
+        # In the real run a block boundary requires grad (it depends on parameters): profile it so.
+        x = x.detach().requires_grad_(x.is_floating_point())
+    return tuple(profiles)
 
 
 # ----------------------------------------------------------------------------------------- solvers
@@ -346,7 +346,7 @@ _SOLVERS: dict[str, Callable[[Sequence[Item], int], set[Any]]] = {
 }
 
 
-# ------------------------------------------------------------------------------------------- plans
+# ------------------------------------------------------- plans: solve profiles for a budget, and run
 class PlanPolicy:
     """A selective policy that saves the ops at the planned positions, for one checkpointed call.
 
@@ -460,22 +460,6 @@ def solve(profiles: Sequence[Profile], budget: int, method: str = "dp") -> Plan:
     chosen = _SOLVERS[method](items, budget - minimum)
     saved = tuple(frozenset(index for r, index in chosen if r == region) for region in range(len(profiles)))
     return Plan(tuple(profiles), saved, budget, method)
-
-
-def profile_sequential(
-    functions: Sequence[Callable[[torch.Tensor], torch.Tensor]], input: torch.Tensor, cost: str = "flops"
-) -> tuple[Profile, ...]:
-    """One profile per function of a chain (e.g. per block of a stack), each on its real input."""
-    profiles = []
-    x = input
-    for function in functions:
-        profiles.append(profile(function, x, cost=cost))
-        # The next block's profile needs this block's output; no graph is kept.
-        with torch.no_grad(), fork_rng(tensor_devices(x)):
-            x = function(x)
-        # In the real run a block boundary requires grad (it depends on parameters): profile it so.
-        x = x.detach().requires_grad_(x.is_floating_point())
-    return tuple(profiles)
 
 
 def budget_range(profiles: Sequence[Profile]) -> tuple[int, int]:

@@ -215,14 +215,8 @@ class _RecordingMode(TorchDispatchMode):
 
         Returns (slot, version it will have after the op) for each tensor written.
         """
-        written = []
-        for position, name, marked in info.writes:
-            value = args[position] if position < len(args) else kwargs.get(name)
-            for tensor in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(tensor, torch.Tensor):
-                    # The bump happens above us (ADInplaceOrView), after the op returns to autograd.
-                    written.append((self._before_write(tensor), tensor._version + marked))
-        return written
+        # A marked write bumps the version above us (ADInplaceOrView), after the op returns to autograd.
+        return [(self._before_write(t), t._version + marked) for t, marked in info.written(args, kwargs)]
 
     def _before_write(self, tensor: torch.Tensor) -> _Slot:
         # See NOTE [ Outside tensors written in place ].
@@ -262,7 +256,7 @@ class _Recording:
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         # Keys of our entries in _OWNERS whose storages are alive. A set: add and discard are atomic,
         # and storages die on any thread.
-        self.alive: set[int] = set()
+        self.alive_storages: set[int] = set()
         self.open = True
         # Captured once, before the scope's first op. See NOTE [ RNG and autocast in a replay ].
         state, self.uninitialised = _capture_replay_state(preserve_rng_state)
@@ -332,7 +326,7 @@ class _Recording:
             owner = _Owner(storage, _storage_died)
             owner.key, owner.recording, owner.root = id(storage), self, slot
             _OWNERS[owner.key] = owner
-            self.alive.add(owner.key)
+            self.alive_storages.add(owner.key)
             return slot
         # A view (or an alias the schema does not declare, like _unsafe_view): it lives in the storage
         # of the slot that owns it, or else in that of the op's first tensor argument.
@@ -353,19 +347,19 @@ class _Recording:
         # Safety net for schemas that lie: an output we took for new memory but that shares an
         # outside tensor's storage would keep this recording alive as long as that tensor lives.
         borrowed = {id(storage_of(s.source.tensor)) for s in self.slots if isinstance(s.source, _Borrowed)}
-        for key in list(self.alive) if failed else self.alive & borrowed:
+        for key in list(self.alive_storages) if failed else self.alive_storages & borrowed:
             # After an exception no new references: scope tensors still alive are stored normally.
             owner = _OWNERS.get(key)
             if owner is not None and owner.recording is self:
                 del _OWNERS[key]
-            self.alive.discard(key)
-        if not self.alive:
-            self.hooks.live.discard(self)
+            self.alive_storages.discard(key)
+        if not self.alive_storages:
+            self.hooks.live_recordings.discard(self)
 
     def storage_released(self, key: int) -> None:
         """A storage this scope created was freed (on any thread)."""
-        self.alive.discard(key)
-        if not self.alive and not self.open:
+        self.alive_storages.discard(key)
+        if not self.alive_storages and not self.open:
             self.hooks.forget(self)
 
 
@@ -898,7 +892,7 @@ class _ResidentHooks:
         self.owner = threading.get_ident()
         self.open: _Recording | None = None
         # Recordings open, or with a storage still alive: while any, the resident entry must stay.
-        self.live: set[_Recording] = set()
+        self.live_recordings: set[_Recording] = set()
         self.resident: _PackHook | None = None
         self.busy = False  # rebuilding the stack right now (a finalizer must not start another rebuild)
         self.retry_after = -1  # the backward (graph task) after which we try again
@@ -919,7 +913,7 @@ class _ResidentHooks:
         entry = _PackHook(below)
         _push_saved_tensors_default_hooks(entry, _unpack)
         self.open = recording
-        self.live.add(recording)
+        self.live_recordings.add(recording)
         return entry
 
     def close_scope(self, recording: _Recording, entry: _PackHook, failed: bool) -> None:
@@ -927,7 +921,7 @@ class _ResidentHooks:
         recording.close(failed)
         self.busy = True
         try:
-            self.resident = _restack(self.resident, keep=bool(self.live), drop=entry)
+            self.resident = _restack(self.resident, keep=bool(self.live_recordings), drop=entry)
         finally:
             self.busy = False
         # A storage freed while we were rebuilding could not release anything then.
@@ -935,12 +929,12 @@ class _ResidentHooks:
 
     def forget(self, recording: _Recording) -> None:
         """``recording``'s last storage died: maybe remove the resident entry."""
-        self.live.discard(recording)
+        self.live_recordings.discard(recording)
         self.release_if_idle()
 
     def release_if_idle(self) -> None:
         """Remove the resident entry if no recording needs it, at a safe point (see NOTE [ Safe points ])."""
-        if self.live or self.resident is None or self.busy:
+        if self.live_recordings or self.resident is None or self.busy:
             return
         task = torch._C._current_graph_task_id()
         if task != -1:
@@ -1028,3 +1022,12 @@ class _AfterBackward:
         # At interpreter exit there is nothing left to restore.
         if not sys.is_finalizing():
             self.hooks.release_if_idle()
+
+
+def leftovers() -> dict[str, Any]:
+    """What scopes still hold: storages registered for the pack hook to recognise (any thread), and
+    this thread's resident hooks (an entry on the stack, a live recording, an open scope). Once every
+    scope tensor is freed, both must be gone; ``ckpt_lab.instruments.state`` checks it."""
+    hooks = _thread.hooks
+    held = hooks is not None and bool(hooks.live_recordings or hooks.resident is not None or hooks.open)
+    return {"scope_storages_registered": len(_OWNERS), "scope_hooks_held": held}

@@ -15,7 +15,7 @@ from ckpt_lab.bench.__main__ import main as bench_main
 from ckpt_lab.bench.measure import _loss
 from ckpt_lab.instruments.counting import count_flops
 from ckpt_lab.instruments.flops import CostCounter, matmul_flops
-from ckpt_lab.instruments.state import assert_no_global_state, changes
+from ckpt_lab.instruments.state import assert_no_global_state, changes, global_state
 
 PLANNED = ("ckpt-plan-25", "ckpt-plan-50")
 
@@ -155,11 +155,11 @@ def test_checkpointing_retains_less_than_none(quick_run):
 
 
 def test_global_state_detects_a_leftover_hook():
-    before = bench.global_state()
+    before = global_state()
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     hooks.__enter__()
     try:
-        assert changes(before, bench.global_state()) == ["saved_tensors_hooks_on_stack: False -> True"]
+        assert changes(before, global_state()) == ["saved_tensors_hooks_on_stack: False -> True"]
     finally:
         hooks.__exit__()
     assert_no_global_state(before)

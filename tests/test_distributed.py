@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from ckpt_lab import distributed
-from ckpt_lab.bench.strategies import by_label
 from ckpt_lab.distributed import (
     REENTRANT,
     STRATEGIES,
@@ -32,6 +31,7 @@ from ckpt_lab.distributed import (
 )
 from ckpt_lab.helpers import processes
 from ckpt_lab.helpers.processes import WorkerError, _worker_main, free_port, run_workers
+from ckpt_lab.strategies import by_label
 
 NON_REENTRANT = [s for s in STRATEGIES if s not in (*REENTRANT, "none")]
 READY_TWICE = "Expected to mark a variable ready only once"

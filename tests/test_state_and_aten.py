@@ -15,6 +15,7 @@ from ckpt_lab.instruments.counting import OpCounter
 from ckpt_lab.instruments.memory import LiveMemory
 from ckpt_lab.instruments.saved import SavedTensorLog
 from ckpt_lab.instruments.state import CLEAN, assert_no_global_state, changes, global_state
+from ckpt_lab.scope import gradient_checkpoint_scope
 
 aten = torch.ops.aten
 
@@ -93,6 +94,22 @@ def test_detects_a_patched_saved_tensors_hooks_enter() -> None:
     assert_no_global_state()
 
 
+def test_detects_what_a_scope_still_holds_until_its_last_tensor_dies() -> None:
+    a, c = torch.randn(100, requires_grad=True), torch.randn(100, requires_grad=True)
+    with gradient_checkpoint_scope():
+        x = a.sin()
+    y = x * c  # saves x: the scope's resident entry stays while x lives
+    left = changes(CLEAN, global_state())
+    assert left == [
+        "saved_tensors_hooks_on_stack: False -> True",
+        "scope_storages_registered: 0 -> 1",
+        "scope_hooks_held: False -> True",
+    ]
+    y.sum().backward()
+    del x, y
+    assert_no_global_state()
+
+
 def test_the_instruments_leave_nothing_behind_even_when_the_block_raises() -> None:
     with pytest.raises(ValueError, match="inside"), LiveMemory(), OpCounter(), SavedTensorLog():
         assert global_state() != CLEAN  # each pushed something while the block runs
@@ -130,8 +147,8 @@ def test_add_in_place_writes_self_and_returns_no_fresh_memory() -> None:
     a, b = torch.randn(3), torch.randn(3)
     info = op_info(aten.add_.Tensor)
     assert info.writes == ((0, "self", True),)
-    (written,) = info.written((a, b), {})
-    assert written is a
+    ((written, marked),) = info.written((a, b), {})
+    assert written is a and marked
     assert info.fresh == (False,)  # add_ returns self
     assert op_info(aten.add_.Tensor) is info  # looked up once
 
@@ -140,8 +157,8 @@ def test_an_out_argument_is_written() -> None:
     a, b, out = torch.randn(3), torch.randn(3), torch.empty(3)
     info = op_info(aten.add.out)
     assert info.writes == ((3, "out", True),)
-    (written,) = info.written((a, b), {"out": out})
-    assert written is out
+    ((written, marked),) = info.written((a, b), {"out": out})
+    assert written is out and marked
 
 
 def test_a_pure_op_writes_nothing_and_returns_fresh_memory() -> None:
@@ -158,8 +175,8 @@ def test_batch_norm_writes_its_running_statistics_without_marking_them() -> None
     x, weight, bias = torch.randn(8, 3), torch.ones(3), torch.zeros(3)
     mean, var = torch.zeros(3), torch.ones(3)
     args = (x, weight, bias, mean, var, True, 0.1, 1e-5)
-    written = info.written(args, {})
-    assert len(written) == 2 and written[0] is mean and written[1] is var
+    ((w0, marked0), (w1, marked1)) = info.written(args, {})
+    assert w0 is mean and w1 is var and not marked0 and not marked1
     # Why the table: training mode updates them in place, and no version counter says so (add_'s does).
     aten.native_batch_norm.default(*args)
     assert not torch.equal(mean, torch.zeros(3)) and (mean._version, var._version) == (0, 0)

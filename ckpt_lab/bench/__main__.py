@@ -21,9 +21,7 @@ import torch
 
 from ckpt_lab.bench.measure import Result, run
 from ckpt_lab.bench.report import plot, table
-
-# The checkout, for --refresh-readme (the package is installed editable: ckpt_lab/bench/ -> root).
-ROOT = Path(__file__).resolve().parent.parent.parent
+from ckpt_lab.helpers import in_checkout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--refresh-readme writes the README's figures: run it without --quick")
 
     name = "results-quick.json" if args.quick else "results.json"
-    default_json, default_images = (
-        (ROOT / "bench" / name, ROOT / "images") if args.refresh_readme else (args.out / name, args.out)
-    )
+    if args.refresh_readme:
+        default_json, default_images = in_checkout("bench", name), in_checkout("images")
+    else:
+        default_json, default_images = args.out / name, args.out
     only = args.strategies.split(",") if args.strategies else None
     report = run(args.quick, args.rounds, args.device, include_returnn=not args.no_returnn, only=only)
     results = [Result(**r) for r in report["results"]]
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in plot(results, args.images or default_images):
             print(f"plot: {path}")
     # Wrong gradients anywhere, or global state left behind by a strategy of ours or torch's, fail the run;
-    # the peer's known state leak is reported above as a MISS.
+    # RETURNN's scope's known state leak is reported above as a MISS.
     broken = [r for r in results if not r.grad_ok or (not r.state_ok and r.strategy != "returnn-scope")]
     if broken:
         print("\nFAILED: " + ", ".join(f"{r.workload}/{r.strategy}" for r in broken), file=sys.stderr)

@@ -4,7 +4,7 @@ Introduced in notebook 05. Each strategy of the earlier notebooks trades memory 
 fixed point; the planner (``ckpt_lab.planner``) can be asked for any budget in between. This module
 puts them on one picture, for a transformer stack and an MLP stack:
 
-    python -m ckpt_lab.bench.pareto [--out DIR] [--json PATH]   # about a minute on 2 cores
+    python -m ckpt_lab.bench.pareto [--out DIR] [--json PATH]   # about 40 s on 2 cores
     python -m ckpt_lab.bench.pareto --refresh-readme          # rewrite images/05_pareto.png (make pareto)
 
 Both axes are exact counts, identical on every run and machine:
@@ -14,8 +14,8 @@ Both axes are exact counts, identical on every run and machine:
   budget. ``measure_memory`` counts storages created during the forward that are still alive when it
   ends; that includes the final output (square's saved input) and the 4-byte loss, and leaves out
   the input (it existed before). So ``retained = measured - bytes(output) - bytes(loss) + bytes(x)``.
-* **recomputed FLOPs**: ``planner.CostCounter``'s total for forward + backward with the strategy,
-  minus the same total without checkpointing. The counter's cost model is the planner's (torch's
+* **recomputed FLOPs**: ``instruments.flops.CostCounter``'s total for forward + backward with the
+  strategy, minus the same total without checkpointing. The counter's cost model is the planner's (torch's
   FLOPs for matmuls, one per output element for other ops, 0 for views), so measured and predicted
   costs are in the same unit.
 
@@ -42,15 +42,13 @@ from typing import Any
 
 import torch
 
-from ckpt_lab.bench.strategies import REGISTRY, StackRun, planner_range
 from ckpt_lab.bench.workloads import Workload, mlp, transformer
+from ckpt_lab.helpers import in_checkout
 from ckpt_lab.instruments.flops import CostCounter
 from ckpt_lab.instruments.memory import measure_memory
 from ckpt_lab.offload import offload_to_cpu
 from ckpt_lab.planner import frontier
-
-# The checkout, for --refresh-readme (the package is installed editable: ckpt_lab/bench/ -> root).
-ROOT = Path(__file__).resolve().parent.parent.parent
+from ckpt_lab.strategies import REGISTRY, StackRun, planner_range, sqrt_segments
 
 __all__ = ["FRACTIONS", "Point", "exact_frontier", "main", "measure_points", "plot", "table"]
 
@@ -152,9 +150,10 @@ def measure_points(workload: Workload, budgets_fractions: Sequence[float] = FRAC
         point(name, baseline if name == "none" else _measure(wl, runs[bench_name]))
         for name, bench_name in _FIXED.items()
     ]
-    segments = max(1, round(len(wl.blocks) ** 0.5))
+    segments = sqrt_segments(len(wl.blocks))
     # With one segment checkpoint_sequential checkpoints nothing (the last segment runs plainly).
-    points[2].note = f"{segments} segment{'s' if segments > 1 else ': nothing checkpointed'}"
+    sqrt_point = next(p for p in points if p.strategy == "sqrt(N)")
+    sqrt_point.note = f"{segments} segment{'s' if segments > 1 else ': nothing checkpointed'}"
 
     planner = planner_range(wl.blocks, wl.input)
     measured: dict[tuple[frozenset[int], ...], _Measured] = {}
@@ -320,7 +319,7 @@ def main(
     )
     parser.add_argument("--json", type=Path, help="also write the points and frontiers here")
     args = parser.parse_args(argv)
-    images = ROOT / "images" if args.refresh_readme else args.out
+    images = in_checkout("images") if args.refresh_readme else args.out
 
     points: dict[str, list[Point]] = {}
     frontiers: dict[str, list[tuple[int, float]]] = {}

@@ -20,8 +20,8 @@ from ckpt_lab.instruments.counting import OpCounter
 
 __all__ = ["IMAGES", "GraphPicture", "draw_graph", "plot_memory_bars", "plot_timeline", "save_figure"]
 
-# The checkout's images/ folder (the package is installed editable: ckpt_lab/helpers/ -> root).
-IMAGES = Path(__file__).resolve().parent.parent.parent / "images"
+# The checkout's images/ folder, where `make notebooks` saves the pictures.
+IMAGES = Path(__file__).resolve().parents[2] / "images"
 
 
 def _saving() -> bool:

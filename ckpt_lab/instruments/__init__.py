@@ -3,10 +3,12 @@
 * ``memory``: ``LiveMemory`` and ``measure_memory``, bytes of storages born and freed in a region;
 * ``saved``: ``SavedTensorLog``, what autograd saves for backward;
 * ``counting``: ``CallCounter`` (the recompute counter), ``OpCounter`` (aten ops), ``count_flops``;
-* ``flops``: ``op_cost`` and ``CostCounter``, the planner's cost model, summed over a run;
+* ``flops``: ``op_cost``, ``matmul_flops`` and ``CostCounter``: the planner's cost model, summed
+  over a run;
 * ``state``: ``global_state`` and ``assert_no_global_state``, what a checkpoint must leave behind.
 
-Each is tested to the byte on toys whose answer is computed by hand (``tests/test_instruments.py``).
+Each is tested to the byte on toys whose answer is computed by hand (``tests/test_instruments.py``,
+``tests/test_state_and_aten.py``).
 """
 
 from ckpt_lab.instruments.counting import CallCounter, OpCounter, count_flops

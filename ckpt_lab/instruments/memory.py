@@ -35,9 +35,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from ckpt_lab._aten import storage_of
+from ckpt_lab._aten import new_storages
 
 __all__ = ["LiveMemory", "MemoryReport", "measure_memory"]
 
@@ -69,10 +68,10 @@ class LiveMemory(TorchDispatchMode):
     # ---------------------------------------------------------------- recording
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        # Storages the op received: an output sharing one of them is a view or an in-place result.
-        inputs = {id(s) for s in _storages(tree_leaves((args, kwargs)))}
-        for storage in _storages(tree_leaves(out)):
-            if id(storage) not in inputs and id(storage) not in self._live:
+        # An output sharing a storage the op received is a view or an in-place result, not new memory.
+        # (Tensors without a real storage, such as wrapper subclasses, are a blind spot.)
+        for key, storage in new_storages(args, kwargs, out).items():
+            if key not in self._live:
                 self._born(storage)
         return out
 
@@ -127,11 +126,6 @@ class LiveMemory(TorchDispatchMode):
         """Serials of storages created during ``phase`` (and, if ``alive``, still alive)."""
         live = set(self._live.values())
         return {s for s, sign, p in self.events if sign > 0 and p == phase and (not alive or s in live)}
-
-
-def _storages(leaves: list[Any]) -> list[torch.UntypedStorage]:
-    # Tensors without a real storage (wrapper subclasses, some fake tensors) are a blind spot.
-    return [s for t in leaves if isinstance(t, torch.Tensor) and (s := storage_of(t)) is not None]
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,16 @@
 """Global state a checkpoint must leave as it found it.
 
-A checkpoint pushes saved-tensor hooks, enters dispatch modes, turns grad mode off and on; a peer
-implementation may even patch ``saved_tensors_hooks``' methods. Anything of that left behind breaks
-the *next* user's hooks, silently. ``global_state()`` reads all of it; the benchmark compares it
-before and after every strategy, and the tests and notebook 04 assert ``assert_no_global_state()``
-after every scope.
+A checkpoint pushes saved-tensor hooks, enters dispatch modes, turns grad mode off and on; RETURNN's
+scope even patches ``saved_tensors_hooks``' methods; ``gradient_checkpoint_scope`` registers its
+storages and may keep a hooks entry until its last tensor dies. Anything of that left behind breaks
+the *next* user's hooks, silently, or keeps memory. ``global_state()`` reads all of it; the
+benchmark compares it before and after every strategy, and the tests and notebook 04 assert
+``assert_no_global_state()`` after every scope.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -24,14 +26,22 @@ def _method_names() -> tuple[str, str]:
 
 
 def global_state() -> dict[str, Any]:
-    """This thread's saved-tensor hooks, dispatch modes and grad mode, and the hooks' methods."""
-    return {
+    """This thread's saved-tensor hooks, dispatch modes and grad mode, the hooks' methods, and what
+    ``gradient_checkpoint_scope`` still holds."""
+    state = {
         # False: the real stack, as a user's next ``saved_tensors_hooks`` will find it.
         "saved_tensors_hooks_on_stack": _top_saved_tensors_default_hooks(False) is not None,
         "dispatch_modes": torch._C._len_torch_dispatch_stack(),
         "grad_enabled": torch.is_grad_enabled(),
         "saved_tensors_hooks_methods": _method_names(),
     }
+    # Only if the scope was ever imported: otherwise it holds nothing (and this instrument needs it not).
+    scope = sys.modules.get("ckpt_lab.scope")
+    state.update(scope.leftovers() if scope is not None else _NO_SCOPE)
+    return state
+
+
+_NO_SCOPE = {"scope_storages_registered": 0, "scope_hooks_held": False}
 
 
 # What a fresh interpreter has: no hooks, no modes, grad on, torch's own methods.
@@ -40,6 +50,7 @@ CLEAN: dict[str, Any] = {
     "dispatch_modes": 0,
     "grad_enabled": True,
     "saved_tensors_hooks_methods": ("saved_tensors_hooks.__enter__", "saved_tensors_hooks.__exit__"),
+    **_NO_SCOPE,
 }
 
 

@@ -439,7 +439,7 @@ with saved_tensors_hooks(log_pack, log_unpack):
 # each new storage an owner entry, so that a pack hook can recognise it, and its views, by storage.
 
 # %%
-show_source(_RecordingMode)
+show_source(_RecordingMode.__torch_dispatch__)
 
 # %%
 show_source(_Recording.record)
@@ -640,13 +640,9 @@ def run_peer(name, case):
 
 
 def assert_clean():
-    """The project's shared check (hooks, dispatch modes, grad mode, patched methods), plus the scope's
-    own: no storage registered, and this thread's resident entry released."""
-    assert_no_global_state()
-    assert not scope_module._OWNERS
-    hooks = scope_module._thread.hooks
-    assert hooks is None or (not hooks.live and hooks.resident is None and hooks.open is None)
-    return True
+    """The project's one check: no hooks, dispatch modes, grad mode or patched methods left, and the
+    scope holds nothing (no storage registered, this thread's resident entry released)."""
+    return assert_no_global_state()
 
 
 # %% [markdown]

@@ -158,7 +158,7 @@ print("how='hang':  TimeoutError:", hung)
 # communication with the rest of backward.
 #
 # The model: a stem, three residual blocks, a head. Each block runs through one of six strategies,
-# named by their labels in the project's one registry of strategies, `ckpt_lab/bench/strategies.py`
+# named by their labels in the project's one registry of strategies, `ckpt_lab/strategies.py`
 # (the benchmark measures the same entries). A label is a string, so it travels to the workers;
 # each worker looks up the function there. What each label runs per block:
 #

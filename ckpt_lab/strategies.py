@@ -33,7 +33,7 @@ from ckpt_lab.scope import gradient_checkpoint_scope
 from ckpt_lab.selective import selective_checkpoint
 from ckpt_lab.sequential import checkpoint_sequential
 
-__all__ = ["REGISTRY", "PlannerRange", "Strategy", "by_label", "planner_range", "strategies"]
+__all__ = ["REGISTRY", "PlannerRange", "Strategy", "by_label", "planner_range", "sqrt_segments", "strategies"]
 
 BlockRun = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 StackRun = Callable[[Sequence[nn.Module], torch.Tensor], torch.Tensor]
@@ -105,17 +105,18 @@ def _scoped(scope: Callable[[], Any]) -> BlockRun:
 
 
 # -------------------------------------------------------------------------------- the whole stack
-def _sqrt_segments(n: int) -> int:
+def sqrt_segments(n: int) -> int:
+    """The number of segments for ``n`` blocks that keeps the least memory: round(sqrt(n)) (notebook 02)."""
     return max(1, round(math.sqrt(n)))
 
 
 def _torch_sequential(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    segments = _sqrt_segments(len(blocks))
+    segments = sqrt_segments(len(blocks))
     return torch_ckpt.checkpoint_sequential(nn.Sequential(*blocks), segments, x, use_reentrant=False)
 
 
 def _ckpt_sequential(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    return checkpoint_sequential(list(blocks), _sqrt_segments(len(blocks)), x, use_reentrant=False)
+    return checkpoint_sequential(list(blocks), sqrt_segments(len(blocks)), x, use_reentrant=False)
 
 
 @dataclass
@@ -217,9 +218,9 @@ def _returnn() -> Strategy | None:
 def strategies(include_returnn: bool = True, only: list[str] | None = None) -> list[Strategy]:
     """Every strategy available in this environment ("none" first), or "none" and those in ``only``."""
     found = list(REGISTRY.values())
-    peer = _returnn() if include_returnn else None
-    if peer is not None:
-        found.append(peer)
+    returnn = _returnn() if include_returnn else None
+    if returnn is not None:
+        found.append(returnn)
     if only:
         unknown = set(only) - {s.name for s in found}
         if unknown:
