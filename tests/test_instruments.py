@@ -173,3 +173,22 @@ def test_instruments_leave_nothing_behind():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.randn(2, requires_grad=True).sin().sum().backward()
+
+
+def test_saved_tensor_log_lists_each_saved_tensor_with_its_origin_and_place() -> None:
+    x = torch.randn(N, requires_grad=True)
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        return t.sin().exp()  # sin saves its input (the leaf); exp saves its result
+
+    with SavedTensorLog() as log:
+        y = block(x)
+    line = block.__code__.co_firstlineno + 1
+    where = f"block:{line}"
+    assert [(e.made_by, e.where) for e in log.entries] == [("leaf", where), ("exp", where)]
+    assert log.listing().splitlines() == [
+        f"f32[{N}]".ljust(22) + f"{S:,} B".rjust(14) + "  leaf".ljust(31) + f"block:{line}",
+        f"f32[{N}]".ljust(22) + f"{S:,} B".rjust(14) + "  output of exp".ljust(31) + f"block:{line}",
+        f"saved activations: 2 tensors, {2 * S} bytes; parameters: 0 tensors, 0 bytes",
+    ]
+    del y
