@@ -5,7 +5,7 @@ The public API (names and signatures are stable), in the order the notebooks bui
 * ``reentrant_checkpoint(function, *args, preserve_rng_state=True)`` -- notebook 02 (``reentrant``)
 * ``checkpoint_sequential(functions, segments, input, use_reentrant=False, preserve_rng_state=True)``
   -- notebook 02 (``sequential``)
-* ``checkpoint(function, *args, preserve_rng_state=True, context_fn=None, **kwargs)`` -- notebook 03
+* ``checkpoint(function, *args, preserve_rng_state=True, context_fn=None, **kwargs)`` -- notebook 03b
   (``nonreentrant``)
 * ``gradient_checkpoint_scope()`` -- notebook 04 (``scope``)
 * ``selective_checkpoint(function, *args, policy, ...)`` -- notebook 05 (``selective``), with the

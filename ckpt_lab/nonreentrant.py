@@ -1,6 +1,6 @@
 """The non-reentrant checkpoint: let autograd build its graph as usual, but store handles, not tensors.
 
-Introduced in notebook 03. Same semantics as ``torch.utils.checkpoint.checkpoint(fn, *args,
+Introduced in notebook 03b. Same semantics as ``torch.utils.checkpoint.checkpoint(fn, *args,
 use_reentrant=False, **kwargs)``, written from scratch on ``torch.autograd.graph.saved_tensors_hooks``
 (torch only serves as the oracle in the tests).
 

@@ -2,11 +2,11 @@
 
 Introduced in notebook 05. Same idea as ``torch.utils.checkpoint.checkpoint(fn, *args,
 use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy))``, built on
-this project's non-reentrant checkpoint (notebook 03) and two ``TorchDispatchMode``s:
+this project's non-reentrant checkpoint (notebook 03b) and two ``TorchDispatchMode``s:
 
 * **forward** (``_SaveMode``): every aten op runs as usual; then the policy is asked about it, and if
   it says *save*, a detached alias of the op's output goes into the frame's cache. The cache is the
-  only extra memory: autograd's own saved tensors are still handles (notebook 03).
+  only extra memory: autograd's own saved tensors are still handles (notebook 03b).
 * **recomputation** (``_ServeMode``): the function runs again, op by op. An op whose output is in the
   cache is *not run*: the cached tensor comes back instead. Every other op runs.
 

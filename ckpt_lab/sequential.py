@@ -6,7 +6,7 @@ chunk, which absorbs the remainder) normally, since its activations are needed r
 backward pass anyway. Only the input of each checkpointed chunk stays alive between forward and backward.
 
 Introduced in notebook 02 (with the reentrant checkpoint); the default, non-reentrant variant is
-the subject of notebook 03.
+the subject of notebook 03b.
 """
 
 from __future__ import annotations

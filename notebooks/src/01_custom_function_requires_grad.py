@@ -14,21 +14,39 @@
 # %% [markdown]
 # # 01 · Why a custom `autograd.Function`'s output requires grad although `forward` ran without grad
 #
-# Activation checkpointing was, for years, a custom `torch.autograd.Function`. Before we build one
-# (notebook 02), we need the rule that decides what such a Function's outputs look like, because
-# two questions people really asked on the PyTorch forum hinge on it:
+# **TL;DR.** `Function.apply` is C++ (`THPFunction_apply`) and does three things, in this order:
 #
-# * *"The checkpointed block runs under `torch.no_grad()`, so its output should have
-#   `requires_grad=False`. Why is it `True`? And why does it become `False` when the input doesn't
-#   require grad?"* (seed 000)
-# * *"Inside my `LinearFunction.forward`, `output.requires_grad` is `False`; outside, it is `True`.
-#   Where is the `no_grad` that wraps `forward`? Where is the grad metadata attached? Why is it
-#   designed so? Is the `no_grad` inside `CheckpointFunction.forward` redundant?"* (seed 002)
+# 1. it decides whether the call is **executable** for autograd: grad mode is on *and* at least one
+#    tensor input requires grad;
+# 2. it runs your `forward` with grad mode (and forward-mode AD) **off**, so the ops inside record
+#    nothing: inside `forward`, results have `requires_grad=False`;
+# 3. it **wraps the outputs**: if the call is executable, every differentiable output gets the
+#    Function's backward node as `grad_fn`, so outside, `requires_grad=True`. If it is not (no input
+#    requires grad, or `apply` ran under `no_grad`), nothing is attached and nothing is saved.
 #
-# Every answer below stands on a printed or asserted number; nbval re-runs this notebook and checks
-# them. The code lives in `ckpt_lab.grad_rule` and `ckpt_lab`'s instruments; the notebook shows it.
+# The reentrant `torch.utils.checkpoint` (`use_reentrant=True`, still torch 2.13's default) *is*
+# such a Function, so its output follows this rule. Grad mode is off inside `forward` because your
+# `backward` replaces whatever graph `forward` would build: not building it saves the graph's nodes,
+# the tensors its ops would save, and the forward's peak memory; it does not change what is kept
+# after `apply` returns.
+#
+# You will be able to predict `requires_grad` for any custom Function's outputs, point to the C++
+# that decides it, and measure what the grad-off `forward` saves.
+#
+# **Questions answered here**, from two PyTorch forum threads:
+#
+# | question | thread | section |
+# |---|---|---|
+# | The checkpointed block runs under `torch.no_grad()`; why does its output have `requires_grad=True`? | "About the implementation of activation checkpointing" | §1, §5 |
+# | Why is it `False` when no input requires grad? | same | §2, §3, §5 |
+# | Why is `output.requires_grad` `False` inside `forward` but `True` outside? | "Tensor.requires_grad in torch.autograd.Function" | §1 |
+# | Where is the `no_grad` that wraps `forward`? Where is the grad metadata attached (C++)? | same | §2 |
+# | Why is it designed so? To save GPU memory? | same | §4 |
+# | How do `autograd.Function` and `torch.utils.checkpoint` relate; how does `CheckpointFunction` save memory? Is its inner `no_grad` redundant? | same | §5 (built in notebook 02) |
+# | Why is PyTorch moving checkpointing away from `autograd.Function`? | same | notebook 03b |
 
 # %%
+import timeit
 import warnings
 
 import matplotlib.pyplot as plt
@@ -43,9 +61,8 @@ from ckpt_lab.grad_rule import (
     predict_requires_grad,
 )
 from ckpt_lab.helpers.show import show_source
-from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, save_figure
-from ckpt_lab.instruments.memory import measure_memory
-from ckpt_lab.instruments.saved import SavedTensorLog
+from ckpt_lab.helpers.viz import draw_graph, plot_timeline, save_figure
+from ckpt_lab.instruments import LiveMemory, OpCounter, SavedTensorLog, measure_memory
 
 _ = torch.manual_seed(0)
 print("torch", torch.__version__)
@@ -53,11 +70,14 @@ print("torch", torch.__version__)
 # %% [markdown]
 # ## 1. Inside `forward` vs outside `apply`
 #
-# Seed 002's `LinearFunction` (from the PyTorch docs' custom-Function tutorial, typos fixed). Instead
-# of printing from inside `forward`, it writes down what it saw, so that we can assert it:
+# The `LinearFunction` of the second thread (from the PyTorch docs' custom-Function tutorial, typos
+# fixed) lives in `ckpt_lab.grad_rule`. Its `forward` is three lines; instead of printing, it then
+# appends what it saw (grad mode, and `requires_grad` of input, weight and output) to
+# `LinearFunction.observations`. `setup_context` saves input, weight and bias; `backward` is the
+# tutorial's.
 
 # %%
-show_source(LinearFunction)
+show_source(LinearFunction, start="def forward", stop="LinearFunction.observations.append")
 
 # %%
 LinearFunction.observations.clear()
@@ -67,58 +87,134 @@ bias = torch.rand(256, requires_grad=True)
 out = LinearFunction.apply(x, weight, bias)
 
 (inside,) = LinearFunction.observations
-print("inside forward:  grad enabled =", inside.grad_enabled)
-print("                 input.requires_grad =", inside.input_requires_grad)
-print("                 weight.requires_grad =", inside.weight_requires_grad)
-print("                 output.requires_grad =", inside.output_requires_grad)
-print("outside apply:   out.requires_grad =", out.requires_grad, "| out.grad_fn:", type(out.grad_fn).__name__)
+print(f"inside forward: grad mode on={inside.grad_enabled}, input/weight/output requires_grad="
+      f"{inside.input_requires_grad}/{inside.weight_requires_grad}/{inside.output_requires_grad}")
+print(f"outside apply:  out.requires_grad={out.requires_grad}, out.grad_fn={type(out.grad_fn).__name__}")
 
 # %% [markdown]
-# Inside `forward`, grad mode is **off**: the `mm` sees inputs that require grad and still returns a
+# Inside `forward`, grad mode is **off**: `mm` sees inputs that require grad and still returns a
 # tensor that does not, because nothing is recorded while grad mode is off. After `apply` returns,
 # the same values come back in a tensor whose `grad_fn` is `LinearFunctionBackward`, the node that
-# will call our `backward`. So two things happened around our `forward`, both in C++:
-#
-# 1. **grad mode was switched off** before `forward` ran: `THPFunction_apply` in
-#    [`torch/csrc/autograd/python_function.cpp`](https://github.com/pytorch/pytorch/blob/d9c0e37bab9462c18508a594659cd34a66abfe1e/torch/csrc/autograd/python_function.cpp)
-#    calls `forward` inside a block that starts with `AutoGradMode grad_mode(false);`. That is the
-#    "`some_func`" seed 002 was looking for: there is no Python `with torch.no_grad()`, it is a C++
-#    RAII guard;
-# 2. **the outputs were wrapped**: `_wrap_outputs` in
-#    [`torch/csrc/autograd/custom_function.cpp` (lines 355–362 at the commit albanD linked)](https://github.com/pytorch/pytorch/blob/d9c0e37bab9462c18508a594659cd34a66abfe1e/torch/csrc/autograd/custom_function.cpp#L355-L362)
-#    sets the Function's backward node as `grad_fn` on each differentiable output, which is what
-#    makes `requires_grad` true.
-#
-# The node is easy to see in the graph:
+# will call our `backward`. In the graph, that one node stands for everything `forward` did; the
+# `mm`, `add` and `expand` inside it left no trace:
 
 # %%
 draw_graph(out.sum(), {"x": x, "weight": weight, "bias": bias}, name="01_linear_function_graph")
 
 # %% [markdown]
-# One node, `LinearFunctionBackward`, stands for everything `forward` did; the `mm`, `add` and
-# `expand` inside it left no trace. Gradients still flow through it correctly:
+# Gradients still flow through it correctly:
 
 # %%
 grads = torch.autograd.grad(out.sum(), (x, weight, bias))
 reference = torch.autograd.grad(nn.functional.linear(x, weight, bias).sum(), (x, weight, bias))
-same = all(torch.allclose(a, b) for a, b in zip(grads, reference, strict=True))
-print("gradients equal nn.functional.linear's:", same)
+print("gradients equal nn.functional.linear's:", all(map(torch.allclose, grads, reference)))
 
 # %% [markdown]
-# ## 2. The rule, case by case
+# ## 2. What `apply` does, in order
 #
-# When does an output get the node? `apply` first decides whether the call is **executable** for
-# autograd: grad mode is on *and* at least one tensor input requires grad. Then every output that is
-# *differentiable* (a floating or complex tensor not marked with `ctx.mark_non_differentiable`) gets
-# the node as `grad_fn`. Seed 000's second observation ("once I set `requires_grad=False` for the
-# inputs, the outputs are `requires_grad=False` too") is the first half of that rule.
+# A probe Function records, inside `forward`, grad mode and forward-mode-AD mode (the switch
+# behind `torch.autograd.forward_ad`; `torch._C._is_fwd_grad_enabled` reads it), and calls
+# `save_for_backward(x)`. We call it twice: once with an input that requires grad, once without,
+# and count with `SavedTensorLog` (a saved-tensor hook that logs every tensor autograd keeps for
+# backward) what was saved.
+
+# %%
+class Probe(torch.autograd.Function):
+    seen: dict = {}  # noqa: RUF012
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x * 2
+        Probe.seen = {"grad": torch.is_grad_enabled(), "fw_grad": torch._C._is_fwd_grad_enabled(),
+                      "y.requires_grad": y.requires_grad}
+        ctx.save_for_backward(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return grad_y * 2
+
+
+runs = {}
+for requires_grad in (True, False):
+    with SavedTensorLog() as log:
+        y = Probe.apply(torch.ones(3, requires_grad=requires_grad))
+    runs[requires_grad] = dict(Probe.seen, saved=log.count, out_requires_grad=y.requires_grad,
+                               grad_fn=type(y.grad_fn).__name__)
+    print(f"input requires grad={requires_grad!s:5}:", runs[requires_grad])
+
+# %% [markdown]
+# The picture puts those measurements on the steps of `THPFunction_apply` (the C++ behind `apply`),
+# in the order they run:
+
+# %%
+def box(ax, x, y, text, color):
+    ax.text(x, y, text, ha="center", va="center", fontsize=8.5, family="monospace",
+            bbox={"boxstyle": "round,pad=0.5", "fc": color, "ec": "0.3"})
+
+
+ex, no = runs[True], runs[False]
+steps = [
+    ("1 executable check\nis_executable =\n GradMode::is_enabled() &&\n any input requires grad", "#dbe9f6",
+     "input requires grad: True / False"),
+    ("2 call forward under\nAutoGradMode(false)\nAutoFwGradMode(false)", "#fde7c8",
+     f"inside: grad={ex['grad']}, fw_grad={ex['fw_grad']}\ny.requires_grad={ex['y.requires_grad']}"),
+    ("3 _wrap_outputs(...,\n is_executable ? cdata\n             : nullptr)\n→ set_history →\n"
+     "impl::set_gradient_edge", "#d9f0d3",
+     f"executable: grad_fn={ex['grad_fn']}\nnot: requires_grad={no['out_requires_grad']}, "
+     f"grad_fn={no['grad_fn']}"),
+    ("4 _save_variables\n(save_for_backward,\n only if executable)", "#eadcf2",
+     f"saved: {ex['saved']} tensor / {no['saved']} tensors"),
+]
+fig, ax = plt.subplots(figsize=(12, 3.3))
+for i, (text, color, measured) in enumerate(steps):
+    box(ax, 1.5 + 3 * i, 1.25, text, color)
+    ax.text(1.5 + 3 * i, 0.05, measured, ha="center", va="center", fontsize=8, color="0.2")
+    if i:
+        ax.annotate("", (0.35 + 3 * i, 1.25), (-0.35 + 3 * i, 1.25), arrowprops={"arrowstyle": "->"})
+ax.set_xlim(0, 12)
+ax.set_ylim(-0.45, 2.2)
+ax.axis("off")
+ax.set_title("Function.apply, in order (bottom row: measured with an input that requires grad / does not)")
+save_figure(fig, "01_apply_sequence")
+plt.show()
+
+# %% [markdown]
+# Where each step lives in C++ (links go to the v2.5.0 release; later releases keep these names,
+# though the executable check may be written inline):
 #
-# Seed 000's `MyCheckpointFunction`, made runnable (a `forward` needs `@staticmethod`, and a Function
-# needs a `backward`), shows both halves:
+# 1. **The executable check.** `unpack_input` in
+#    [`torch/csrc/autograd/python_function.cpp`](https://github.com/pytorch/pytorch/blob/v2.5.0/torch/csrc/autograd/python_function.cpp)
+#    sets `is_executable = GradMode::is_enabled() && any_variable_requires_grad(input_vars)`,
+#    *before* `forward` runs. This is the switch behind "no input requires grad, so the output does
+#    not either" (the first thread's second observation), and behind `apply` under `no_grad()`.
+# 2. **The "`no_grad`" the second thread looks for.** `THPFunction_apply` calls `forward` inside a
+#    C++ block that opens with two RAII guards, `AutoGradMode grad_mode(false);` and
+#    `at::AutoFwGradMode fw_grad_mode(false);`. There is no Python `with torch.no_grad()`.
+# 3. **Where the metadata is attached.** After `forward`, `process_outputs` calls the file's own
+#    `_wrap_outputs`, which passes `is_executable ? cdata : nullptr` (`cdata` is the Function's
+#    backward node) on to `_wrap_outputs` in
+#    [`torch/csrc/autograd/custom_function.cpp`](https://github.com/pytorch/pytorch/blob/v2.5.0/torch/csrc/autograd/custom_function.cpp).
+#    There a lambda named `set_history` calls `impl::set_gradient_edge(var, {cdata, output_nr})` on
+#    each differentiable output: that sets `grad_fn` and makes `requires_grad` true. With `nullptr`
+#    it attaches nothing. (The answer in the thread links lines 355–362 of `custom_function.cpp` at
+#    an older commit, `d9c0e37`; line numbers move between versions, so the links here go to a
+#    release tag and name the functions.)
+# 4. **Saving.** Tensors passed to `save_for_backward` become `SavedVariable`s after the wrapping,
+#    and only if the call is executable: hence 0 saved tensors above when the input did not require
+#    grad.
+
+# %% [markdown]
+# ## 3. The rule, case by case
+#
+# An output gets the node when the call is executable and the output is *differentiable* (a
+# floating or complex tensor not marked with `ctx.mark_non_differentiable`). The first thread's
+# `MyCheckpointFunction`, made runnable (`forward` needs `@staticmethod`, and a Function needs a
+# `backward`), shows the executable check from the outside:
 
 # %%
 class MyCheckpointFunction(torch.autograd.Function):
-    """Seed 000's demo: forward adds one under an explicit no_grad."""
+    """The first thread's demo: forward adds one under an explicit no_grad."""
 
     @staticmethod
     def forward(ctx, x):
@@ -136,10 +232,10 @@ print("input requires grad    -> output requires grad:", f(torch.randn(1, requir
 print("input doesn't          -> output requires grad:", f(torch.randn(1)).requires_grad)
 with torch.no_grad():
     out = f(torch.randn(1, requires_grad=True))
-    print("apply under no_grad()  -> output requires grad:", out.requires_grad)
+print("apply under no_grad()  -> output requires grad:", out.requires_grad)
 
 # %% [markdown]
-# The rest of the rule, with the knobs a Function's `ctx` offers:
+# The rest of the rule, with the knobs `ctx` offers:
 #
 # * `ctx.mark_non_differentiable(t)`: `t` never gets the node (think of `sort`'s indices);
 # * an integer output can never require grad;
@@ -162,8 +258,7 @@ class SortWithIndices(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_values, grad_indices, grad_x):
         (indices,) = ctx.saved_tensors
-        grad = torch.zeros_like(grad_values).scatter(-1, indices, grad_values)
-        return grad + grad_x
+        return torch.zeros_like(grad_values).scatter(-1, indices, grad_values) + grad_x
 
 
 x = torch.tensor([3.0, 1.0, 2.0], requires_grad=True)
@@ -174,9 +269,298 @@ print("x returned as-is is x:", same is x, "| shares its memory:", same.data_ptr
 print("ctx.needs_input_grad:", SortWithIndices.last_needs_input_grad)
 
 # %% [markdown]
-# `ctx.set_materialize_grads(False)` is the last knob: by default, an output that received no
-# gradient (like `grad_x` above when `same` is unused) reaches `backward` as a tensor of zeros; with
-# materialization off it arrives as `None`, and `backward` can skip work:
+# ### The rule as a model, checked against torch
+#
+# `ckpt_lab.grad_rule.predict_requires_grad` is a pure-Python model of the wrapping step: given the
+# inputs, the outputs and grad mode, it says whether each output will require grad, and why (the
+# tests check it against torch on hundreds of random cases with hypothesis). Its decision, after
+# computing `executable` as in step 1 and the output's dtype:
+
+# %%
+show_source(predict_requires_grad, start="if not grad_enabled:", stop="return verdicts")
+
+
+# %% [markdown]
+# `torch_says` builds a Function with the given outputs, calls it, and reads `requires_grad` off the
+# results; the model and torch agree on every case:
+
+# %%
+def torch_says(inputs, outputs, grad_enabled):
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            results = [args[o.returns_input] if o.returns_input is not None
+                       else (torch.ones(2) if o.floating else torch.arange(2)) for o in outputs]
+            marked = [r for r, o in zip(results, outputs, strict=True) if o.non_differentiable]
+            ctx.mark_non_differentiable(*marked)
+            return tuple(results)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return (None,) * len(inputs)
+
+    args = [torch.zeros(2, requires_grad=i.requires_grad) if i.is_tensor else 1.0 for i in inputs]
+    with torch.set_grad_enabled(grad_enabled):
+        return [r.requires_grad for r in Probe.apply(*args)]
+
+
+# %%
+grad_in, plain_in = InputSpec(requires_grad=True), InputSpec()
+cases = {
+    "x requires grad": ([grad_in], [OutputSpec()], True),
+    "no input requires grad": ([plain_in, InputSpec(is_tensor=False)], [OutputSpec()], True),
+    "apply under no_grad": ([grad_in], [OutputSpec()], False),
+    "integer output": ([grad_in], [OutputSpec(floating=False)], True),
+    "marked non-differentiable": ([grad_in], [OutputSpec(non_differentiable=True)], True),
+    "returns a no-grad input as-is": ([grad_in, plain_in], [OutputSpec(returns_input=1)], True),
+}
+for label, (inputs, outputs, grad_enabled) in cases.items():
+    (verdict,) = predict_requires_grad(inputs, outputs, grad_enabled)
+    (actual,) = torch_says(inputs, outputs, grad_enabled)
+    assert verdict.requires_grad == actual
+    print(f"{label:30} requires_grad={actual!s:5} because {verdict.reason}")
+
+# %% [markdown]
+# ## 4. Why `forward` runs with grad off
+#
+# The answer in the second thread: *"you are providing the backward formula … so we don't need to
+# track autograd information during the forward … mainly for performance … [and] not saving things
+# for backward twice."* Let us measure it. `Sin4` computes `y = sin(sin(sin(sin(x))))`, saves only
+# `x`, and recomputes the chain in `backward` (a checkpoint in miniature). Next to it, two
+# **drafts** that switch grad back on inside `forward`, as `apply` would run it without its guard:
+
+# %%
+def sin4(t):
+    return t.sin().sin().sin().sin()
+
+
+class Sin4(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return sin4(x)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (s,) = ctx.saved_tensors
+        for _ in range(4):  # dy/dx = cos(x) * cos(s1) * cos(s2) * cos(s3), with s1 = sin(x), ...
+            grad_y, s = grad_y * s.cos(), s.sin()
+        return grad_y
+
+
+class DraftGradOn(torch.autograd.Function):
+    """DRAFT: forward re-enables grad, so its four sins record a graph and save their inputs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        with torch.enable_grad():
+            y = sin4(x.detach().requires_grad_())
+        ctx.grad_fn_inside = type(y.grad_fn).__name__
+        return y
+
+    backward = Sin4.backward
+
+
+# %% [markdown]
+# The second draft also stores the inner result on `ctx`, as a draft easily does to keep it for later:
+
+# %%
+class DraftKeepsInner(torch.autograd.Function):
+    """DRAFT: grad on inside, and ctx.inner holds the inner result, and with it the inner graph."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        with torch.enable_grad():
+            ctx.inner = sin4(x.detach().requires_grad_())
+        return ctx.inner.detach()
+
+    backward = Sin4.backward
+
+
+x = torch.randn(100_000, requires_grad=True)
+y = DraftGradOn.apply(x)
+print("grad_fn inside forward:", y.grad_fn.grad_fn_inside, "| after apply:", type(y.grad_fn).__name__)
+print("gradient equals autograd's:", torch.allclose(torch.autograd.grad(y.sum(), x)[0],
+                                                    torch.autograd.grad(sin4(x).sum(), x)[0]))
+
+# %% [markdown]
+# `set_history` *replaced* the output's `grad_fn` (`SinBackward0`) with the Function's node: the
+# inner graph has no owner left. Now the three side by side: saves and aten ops during `apply`
+# (`SavedTensorLog`, `OpCounter`), live bytes over the forward (`LiveMemory`, which tracks every
+# storage an aten op creates until it is freed), and `measure_memory` over a whole step (forward,
+# then backward):
+
+# %%
+variants = {"apply's way (grad off)": Sin4, "draft: grad on inside": DraftGradOn,
+            "draft + ctx.inner": DraftKeepsInner}
+forward_mems = {}
+print(f"{'':24}{'saves':>6}{'saved bytes':>13}{'aten ops':>9}{'forward peak':>14}"
+      f"{'kept after forward':>20}{'step peak':>11}")
+for name, fn in variants.items():
+    with SavedTensorLog() as log, OpCounter() as ops, LiveMemory() as mem:
+        y = fn.apply(x)
+        mem.snapshot("after apply")
+    forward_mems[name] = mem
+    x.grad = None
+    step = measure_memory(lambda fn=fn: fn.apply(x).sum())
+    print(f"{name:24}{log.count:6}{log.activation_bytes:13,}{ops.total:9}{mem.peak_bytes:14,}"
+          f"{step.retained_bytes:20,}{step.peak_bytes:11,}")
+del y
+
+# %% [markdown]
+# Read it row by row:
+#
+# * **Grad off** (what `apply` does): one save, `x` (400,000 bytes, the caller's tensor); the forward
+#   peaks at two 400,000-byte tensors (one `sin`'s input and output); after the forward only the
+#   4-byte loss is new and alive.
+# * **Grad on, graph discarded**: the same four `sin`s (plus a `detach`), but four more saves (each
+#   `sin` saves its input: `x` again, then `s1`, `s2`, `s3`, +1,200,000 bytes), and the forward peak
+#   doubles, because the inner graph keeps every intermediate alive until `apply` returns. Then
+#   `set_history` drops that graph: kept after forward, **4 bytes, as with grad off**, and the step's
+#   peak (set by our `backward`) is the same.
+# * **Grad on + `ctx.inner`**: 1,600,004 bytes kept after the forward. All but the loss's 4 are
+#   held by the draft's own `ctx.inner`: the inner output and the three tensors its graph saved
+#   (`s1`, `s2`, `s3`). Such a reference makes grad-on look expensive in retained memory, but the
+#   cost is the draft's, not autograd's.
+#
+# So switching grad off saves building a graph that would be thrown away: its nodes, its saved
+# tensors, and the forward's transient peak. It does not change what is kept for backward, which is
+# only what `save_for_backward` names. The timeline shows the difference in the forward:
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 2.8))
+for (name, mem), style in zip(forward_mems.items(), ["-", "--", ":"], strict=True):
+    plot_timeline(ax, mem, name)
+    line = ax.lines[-1]
+    line.set(linestyle=style, linewidth=2.5 if style == "-" else 1.8)
+    # after apply returns: the level it leaves, drawn on to the right edge
+    ax.plot([len(mem.events) - 1, 7], [mem.marks["after apply"] / 1024] * 2, style, color=line.get_color())
+ax.set_title("live KiB during apply (forward only; the output y stays alive)")
+ax.legend(fontsize=8)
+save_figure(fig, "01_grad_off_in_forward")
+plt.show()
+
+# %% [markdown]
+# Building the graph also costs time, most visibly on small tensors, where bookkeeping dominates
+# the arithmetic (over several runs when this was written, on two shared CPU cores, grad on took 1.3
+# to 2 times as long per call). Timings vary by machine and run; nbval does not compare this cell:
+
+# %% tags=["nbval-ignore-output"]
+small = torch.randn(100, requires_grad=True)
+seconds = {name: [] for name in list(variants)[:2]}
+for _ in range(7):  # interleaved, best of 7: the machine is shared
+    for name in seconds:
+        seconds[name].append(timeit.timeit(lambda name=name: variants[name].apply(small), number=1000) / 1000)
+for name, times in seconds.items():
+    print(f"{name:24} {min(times) * 1e6:6.1f} µs per call")
+
+# %% [markdown]
+# ## 5. What this means for checkpointing
+#
+# `torch.utils.checkpoint` with `use_reentrant=True` *is* such a Function (`CheckpointFunction`): it
+# saves its inputs with `save_for_backward`, runs the block in its `forward`, returns the block's
+# output, and runs the block again in `backward` (notebook 02 builds it). That is how it saves
+# memory: grad is off in its `forward`, so none of the block's intermediate tensors is saved, only
+# the inputs, as `Sin4` did in §4. And the first thread's observations follow from the rule above,
+# with nothing checkpoint-specific about them. Its model, made runnable (it lacked
+# `super().__init__()` and a closing bracket):
+
+# %%
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(100, 100)
+        self.blocks = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 100))
+
+    def forward(self, x):
+        x = self.linear(x)
+        x1 = x2 = x
+        with torch.no_grad():
+            for block in self.blocks:
+                x1 = block(x1)
+                print(f"no_grad requires_grad: {x1.requires_grad}")
+        for block in self.blocks:
+            x2 = torch.utils.checkpoint.checkpoint(block, x2, use_reentrant=True)
+            print(f"checkpoint requires_grad: {x2.requires_grad}")
+        return x2
+
+
+model = Model()
+outs = model(torch.randn(2, 100))
+draw_graph(outs.sum(), dict(model.named_parameters()), name="01_checkpoint_graph")
+
+# %% [markdown]
+# The block ran with grad off, yet its output requires grad: the checkpoint's input `x2` requires
+# grad (it came out of `self.linear`), so the call was executable and the output was wrapped. In the
+# graph each checkpointed block is one `CheckpointFunctionBackward` node whose only edge leads to
+# its input, and the orange box beside it is all it saved: that input, 2 × 100 floats (torchviz
+# draws a Python Function's `saved_tensors` so). The blocks' weights are not in the graph at all:
+# the reentrant backward reaches them by running the block again (notebook 02). When no input requires grad, the call is not executable
+# and the output does not require grad.
+#
+# That holds for the **reentrant** checkpoint only. With `use_reentrant=False` (built on
+# saved-tensor hooks, notebook 03b) the block runs with grad **on**, so its output requires grad
+# whenever the block's parameters do, whatever the input. And calling `checkpoint` without
+# `use_reentrant` warns, then uses the reentrant one. Side by side, on a block whose input does not
+# require grad:
+
+# %%
+block, plain_input = nn.Linear(100, 100), torch.randn(2, 100)
+for use_reentrant in (None, True, False):
+    kwargs = {} if use_reentrant is None else {"use_reentrant": use_reentrant}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.utils.checkpoint.checkpoint(block, plain_input, **kwargs)
+    said = "; ".join(str(w.message).split(". ")[0] for w in caught) or "-"
+    print(f"use_reentrant={use_reentrant!s:5}: requires_grad={out.requires_grad!s:5} | warns: {said}")
+
+# %% [markdown]
+# With the reentrant checkpoint, the block's parameters get no gradient here (notebook 02 is about
+# that trap). Last, the second thread asks whether the `with torch.no_grad():` inside
+# `CheckpointFunction.forward` is redundant. It is: `apply` already switched grad mode off. A Function
+# without it, around a block that would save tensors if grad were on:
+
+# %%
+class WithoutInnerNoGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run_function, x):
+        ctx.grad_mode_inside = torch.is_grad_enabled()
+        return run_function(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("not needed for this check")
+
+
+x = torch.randn(1000, requires_grad=True)
+with SavedTensorLog() as log:
+    y = WithoutInnerNoGrad.apply(lambda t: t.exp().sin(), x)
+print("grad mode inside forward:", y.grad_fn.grad_mode_inside, "| saved by the block's ops:", log.count,
+      "| output requires grad:", y.requires_grad)
+
+# %% [markdown]
+# ## Summary
+#
+# | question | answer | shown by |
+# |---|---|---|
+# | Why is `output.requires_grad` False inside `forward`? | `THPFunction_apply` runs `forward` under `AutoGradMode(false)` and `AutoFwGradMode(false)` | §1, §2 (probe: grad=False, fw_grad=False) |
+# | Why True outside? | `_wrap_outputs(..., is_executable ? cdata : nullptr)` → `set_history` → `impl::set_gradient_edge` gives each differentiable output the Function's node | §1 graph, §2 picture |
+# | When is it False? | not executable (no input requires grad, or `apply` under `no_grad`; then nothing is saved either), non-differentiable or integer outputs | §2 (0 saves), §3 (model = torch) |
+# | Why designed so? | `backward` replaces the inner graph: grad off avoids building it (4 extra saves, 2× forward peak, more time), while what is kept after `apply` is the same (4 bytes) | §4 table and timeline |
+# | Why does a checkpoint's output require grad? | the reentrant `CheckpointFunction` is a Function: same rule; the non-reentrant checkpoint runs the block with grad on | §5 |
+# | Is the inner `no_grad` redundant? | yes: grad mode is already off (0 saves without it) | §5 |
+#
+# Next, notebook 02 builds `CheckpointFunction` from scratch and meets its limits.
+#
+# ---
+#
+# ## Appendix: two more `ctx` details (optional)
+#
+# `ctx.set_materialize_grads(False)`: by default, an output that received no gradient reaches
+# `backward` as a tensor of zeros; with materialization off it arrives as `None`, and `backward` can
+# skip work:
 
 # %%
 class ShowsGrads(torch.autograd.Function):
@@ -201,223 +585,12 @@ for materialize in (True, False):
 print("grads received by backward (materialize=True, then False):", ShowsGrads.received)
 
 # %% [markdown]
-# ### The rule as a model, checked against torch
-#
-# `ckpt_lab.grad_rule.predict_requires_grad` is a pure-Python model of `_wrap_outputs`: given the
-# inputs, the outputs and grad mode, it says whether each output will require grad, and why. The
-# tests check it against torch on hundreds of random combinations (hypothesis); here it is, and a
-# few verdicts next to what torch does:
-
-# %%
-show_source(predict_requires_grad)
-
-
-# %%
-def torch_says(inputs, outputs, grad_enabled):
-    """Build a Function with these outputs, call it, and read requires_grad off the results."""
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *args):
-            results = [
-                args[o.returns_input] if o.returns_input is not None
-                else (torch.ones(2) if o.floating else torch.arange(2))
-                for o in outputs
-            ]
-            marked = [r for r, o in zip(results, outputs, strict=True) if o.non_differentiable]
-            ctx.mark_non_differentiable(*marked)
-            return tuple(results)
-
-        @staticmethod
-        def backward(ctx, *grads):
-            return (None,) * len(inputs)
-
-    args = [torch.zeros(2, requires_grad=i.requires_grad) if i.is_tensor else 1.0 for i in inputs]
-    with torch.set_grad_enabled(grad_enabled):
-        return [r.requires_grad for r in Probe.apply(*args)]
-
-
-cases = {
-    "x requires grad": ([InputSpec(requires_grad=True)], [OutputSpec()], True),
-    "no input requires grad": ([InputSpec(), InputSpec(is_tensor=False)], [OutputSpec()], True),
-    "apply under no_grad": ([InputSpec(requires_grad=True)], [OutputSpec()], False),
-    "integer output": ([InputSpec(requires_grad=True)], [OutputSpec(floating=False)], True),
-    "marked non-differentiable": (
-        [InputSpec(requires_grad=True)], [OutputSpec(non_differentiable=True)], True
-    ),
-    "returns a no-grad input as-is": (
-        [InputSpec(requires_grad=True), InputSpec()], [OutputSpec(returns_input=1)], True
-    ),
-}
-for label, (inputs, outputs, grad_enabled) in cases.items():
-    (verdict,) = predict_requires_grad(inputs, outputs, grad_enabled)
-    (actual,) = torch_says(inputs, outputs, grad_enabled)
-    assert verdict.requires_grad == actual
-    print(f"{label:30} model={verdict.requires_grad!s:5} torch={actual!s:5} because {verdict.reason}")
-
-# %% [markdown]
-# One surprise the property test found: `ctx.needs_input_grad` mirrors each input's `requires_grad`
-# and ignores grad mode, so under `torch.no_grad()` it can say `True` for a call whose backward will
-# never run:
+# `ctx.needs_input_grad` mirrors each input's `requires_grad` and ignores grad mode (a surprise the
+# property test of the model found): under `torch.no_grad()` it can say `True` for a call whose
+# backward will never run:
 
 # %%
 with torch.no_grad():
-    _ = SortWithIndices.apply(x)
+    _ = SortWithIndices.apply(torch.tensor([3.0, 1.0, 2.0], requires_grad=True))
 print("torch:   ", SortWithIndices.last_needs_input_grad)
 print("modelled:", predict_needs_input_grad([InputSpec(requires_grad=True)], grad_enabled=False))
-
-# %% [markdown]
-# ## 3. Why it is designed so
-#
-# albanD's answer in seed 002: *"you are providing the backward formula … so we don't need to track
-# autograd information during the forward … mainly for performance … [and] not saving things for
-# backward twice."* We can measure that. Below, the same computation, `y = sin(exp(x))`, written as
-# a custom Function that saves only `x` — once as it is (grad off inside `forward`) and once as a
-# **draft that re-enables grad inside `forward`**, which is what autograd would do if `apply` did not
-# switch grad mode off.
-
-# %%
-class SinExp(torch.autograd.Function):
-    """y = sin(exp(x)); backward: dy/dx = cos(exp(x)) * exp(x). Saves only x."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.exp().sin()
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        (x,) = ctx.saved_tensors
-        e = x.exp()
-        return grad_y * e.cos() * e
-
-
-class DraftSinExpRecordingGraph(torch.autograd.Function):
-    """DRAFT (what apply avoids): forward re-enables grad, so its ops build a graph and save tensors."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        with torch.enable_grad():
-            x_ = x.detach().requires_grad_()  # a graph needs an input that requires grad
-            ctx.inner = x_.exp().sin()  # keep the inner result (and with it, its graph)
-        return ctx.inner.detach()
-
-    backward = SinExp.backward
-
-
-x = torch.randn(100_000, requires_grad=True)
-with SavedTensorLog() as saved_by_node:
-    y = SinExp.apply(x)
-print("grad off in forward:", saved_by_node.summary())
-with SavedTensorLog() as saved_by_draft:
-    y = DraftSinExpRecordingGraph.apply(x)
-print("draft, grad on:     ", saved_by_draft.summary())
-print("extra bytes saved by the draft:", saved_by_draft.activation_bytes - saved_by_node.activation_bytes)
-
-# %% [markdown]
-# With grad off, the only save is the one we asked for (`x`, 400,000 bytes). The draft also records
-# `exp` (which saves its result) and `sin` (which saves its input: the same tensor), so one more
-# 400,000-byte tensor is saved twice, for a backward that will never run because our own `backward`
-# replaces it. Live memory shows the whole cost: the draft keeps the inner graph and its result alive
-# as long as the node lives, 800,000 bytes, where `apply`'s way keeps only the 4-byte loss.
-
-# %%
-retained = {}
-variants = {
-    "grad off in forward (apply's way)": SinExp.apply,
-    "draft: grad on inside": DraftSinExpRecordingGraph.apply,
-}
-for name, fn in variants.items():
-    x.grad = None
-    retained[name] = measure_memory(lambda fn=fn: fn(x).sum()).retained_bytes
-    print(f"{name:36} retained after forward: {retained[name]:>9,} bytes")
-
-fig, ax = plt.subplots(figsize=(7, 1.8))
-plot_memory_bars(ax, retained, "bytes kept alive after the forward (x itself not counted)")
-save_figure(fig, "01_grad_off_in_forward")
-plt.show()
-
-# %% [markdown]
-# ## 4. What this means for checkpointing
-#
-# `torch.utils.checkpoint` with `use_reentrant=True` *is* such a Function (`CheckpointFunction`): it
-# runs the block in its `forward` and returns the block's output. So seed 000's observations follow
-# from the rule above, with nothing checkpoint-specific about them. Seed 000's model, made runnable
-# (it lacked `super().__init__()` and a closing bracket):
-
-# %%
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(100, 100)
-        self.blocks = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 100))
-
-    def forward(self, x):
-        x = self.linear(x)
-        x1 = x2 = x
-        with torch.no_grad():
-            for block in self.blocks:
-                x1 = block(x1)
-                print(f"no_grad requires_grad: {x1.requires_grad}")
-        for block in self.blocks:
-            x2 = torch.utils.checkpoint.checkpoint(block, x2, use_reentrant=True)
-            print(f"checkpoint requires_grad: {x2.requires_grad}")
-        return x2
-
-
-model = Model()
-outs = model(torch.randn(2, 100))
-
-# %% [markdown]
-# The block ran with grad off, yet its output requires grad: the checkpoint's input `x2` requires
-# grad (it came out of `self.linear`), so `apply` was executable and wrapped the output. And when no
-# input requires grad, the call is not executable, so the output does not require grad, and torch
-# warns that parameters inside the block will get no gradient (notebook 02 is about that trap):
-
-# %%
-block = nn.Linear(100, 100)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    out = torch.utils.checkpoint.checkpoint(block, torch.randn(2, 100), use_reentrant=True)
-print("output requires grad:", out.requires_grad)
-print("warning:", caught[0].message)
-
-# %% [markdown]
-# Seed 002 also asks whether the `with torch.no_grad():` inside `CheckpointFunction.forward` is
-# redundant. It is: `apply` already switched grad mode off. Seed 000's `MyCheckpointFunction` (with
-# the inner `no_grad`) and `SinExp`-style Functions without it behave identically; here is the direct
-# check, on a block that would save tensors if grad were on:
-
-# %%
-class WithoutInnerNoGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, run_function, x):
-        ctx.grad_mode_inside = torch.is_grad_enabled()
-        return run_function(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError("not needed for this check")
-
-
-inner = lambda t: t.exp().sin()
-x = torch.randn(1000, requires_grad=True)
-with SavedTensorLog() as log:
-    y = WithoutInnerNoGrad.apply(inner, x)
-print("grad mode inside forward:", y.grad_fn.grad_mode_inside)
-print("tensors saved by the block's ops:", log.count, "| output requires grad:", y.requires_grad)
-
-# %% [markdown]
-# ## Summary
-#
-# | question | answer | shown by |
-# |---|---|---|
-# | Why is `output.requires_grad` False inside `forward`? | `apply` runs `forward` with grad mode off (C++ `AutoGradMode grad_mode(false)`) | §1 |
-# | Why True outside? | `_wrap_outputs` gives every differentiable output the Function's node as `grad_fn` | §1, graph |
-# | When is it False? | no input requires grad, grad mode off at `apply`, non-differentiable or integer outputs | §2, model vs torch |
-# | Why designed so? | your `backward` replaces the graph, so recording it would waste time and save tensors twice | §3: 800,000 bytes kept for nothing |
-# | Why does a checkpoint's output require grad? | `CheckpointFunction` is a Function: same rule | §4 |
-# | Is the inner `no_grad` redundant? | yes: grad mode is already off | §4 |
-#
-# Next, notebook 02 builds `CheckpointFunction` from scratch and meets its limits.

@@ -14,10 +14,9 @@
 # %% [markdown]
 # # 04 · A scope that names what to recompute: `gradient_checkpoint_scope`
 #
-# `torch.utils.checkpoint` (notebooks 02 and 03) takes a *function*: it stores what goes in and what
-# comes out, and recomputes what lies between. Seed 003, the API page of RETURNN's
-# `gradient_checkpoint_scope`, turns the question around: *"All tensors created within this scope will
-# not be stored for backpropagation, but will be recomputed on the fly during backpropagation."*
+# **TL;DR.** `torch.utils.checkpoint` takes a *function* and stores what goes in and comes out.
+# RETURNN's `gradient_checkpoint_scope` API page asks for the opposite: *"All tensors created within
+# this scope will not be stored for backpropagation, but will be recomputed on the fly."*
 #
 # ```python
 # with gradient_checkpoint_scope():
@@ -25,30 +24,45 @@
 # y = x * c          # x is not stored: backward re-runs a + b
 # ```
 #
-# With a checkpoint, `x` would be the checkpoint's *output*, and `x * c` would store it. The scope
-# cannot be a function wrapper: `x * c` runs *after* the `with` block, and still must not store `x`.
-# That is the whole difficulty, and most of this notebook.
+# * A `TorchDispatchMode` records the scope's ops below autograd; a pack hook stores a small
+#   reference instead of any tensor the scope made; the first unpack in backward replays the
+#   recording. Here the scope keeps 4,000 bytes where a checkpoint keeps 8,000 (§2).
+# * The hard part: `x * c` runs *after* the `with` block, so the pack hook must outlive it, on a
+#   stack where every `__exit__` pops whatever is on top. `ckpt_lab` rebuilds the stack (a
+#   *resident entry* at the bottom, wrappers above), without patching torch, and leaves when the
+#   last scope tensor dies (§3).
+# * On four MLP blocks, a scope per block retains one block boundary *less* than a checkpoint per
+#   block (the last output is recomputed) but peaks two *higher*: a scope recomputes all its saved
+#   tensors at the first unpack, which comes from the block's consumer, before the block's own
+#   backward (§5, with a measured "what runs when").
 #
-# 1. `TorchDispatchMode`: the aten ops below autograd, and why the scope records them
-# 2. Scope versus checkpoint on seed 003's example, in bytes
-# 3. The scope in two drafts, then `ckpt_lab.gradient_checkpoint_scope` piece by piece; the hard
-#    part: hooks that outlive the `with` block, and how they are released
-# 4. RNG: dropout inside the scope
-# 5. Better than the peer, point by point (RETURNN side by side where it is installed)
-# 6. On a GPU: what changes
-# 7. A memory picture: none, torch per block, scope per block
+# You will be able to record and replay aten ops, say what a scope keeps and when it recomputes,
+# change the saved-tensors-hooks stack safely, and explain the scope's peak.
 #
-# Every claim stands on a printed or asserted number that nbval re-checks. The code we end with lives
-# in `ckpt_lab/scope.py`; the notebook shows it with `show_source` instead of copying it. The
-# notebook's own attempts are named `DraftScopeV1` and `DraftScopeV2`: each falls short in a way a
-# number shows, and neither is the package's code.
+# | question (RETURNN's API page, and this project's) | section |
+# |---|---|
+# | What are post-autograd aten ops; why record them with a `TorchDispatchMode`? | §1 |
+# | How does a scope that names *what to recompute* differ from a checkpoint? | §2 |
+# | How can the scope's `saved_tensors_hooks` outlive the `with` block, and be released? | §3 |
+# | How does dropout inside the scope recompute identically (RNG fork and reset)? | §4 |
+# | What does a chain of scoped blocks keep, what runs when, and why is its peak higher? | §5 |
+# | What changes on a GPU? | §6 |
+# | Where does RETURNN's own scope fall short (edge cases), and how is each point fixed? | [04b](04b_scope_appendix_returnn.ipynb) (optional) |
+#
+# Terms: the **saved-tensors-hooks stack** is the thread-local stack of `(pack, unpack)` pairs that
+# `saved_tensors_hooks` pushes (autograd calls the top pair); the **resident entry** is our pair,
+# left at the *bottom* of that stack after a scope closes, for as long as a scope tensor lives; a
+# **graph task** is the autograd engine's state for one `backward()` call
+# (`torch._C._current_graph_task_id()` is -1 outside one); a **safe point** is a moment when the
+# scope may change the stack: on the thread that owns it, outside its hooks, outside a graph task.
+# The code is in `ckpt_lab/scope.py`; `DraftScopeV1` and `DraftScopeV2` are drafts.
 
 # %%
 import contextlib
-import gc
-import sys
-import warnings
 import weakref
+from functools import partial
+from itertools import pairwise
+from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 import torch
@@ -59,84 +73,56 @@ from torch._C._autograd import (
     _push_saved_tensors_default_hooks,
     _top_saved_tensors_default_hooks,
 )
-from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
+from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import ckpt_lab.scope as scope_module
-from ckpt_lab import CheckpointError, LiveMemory, OpCounter, gradient_checkpoint_scope, measure_memory
+from ckpt_lab import LiveMemory, OpCounter, gradient_checkpoint_scope, measure_memory
+from ckpt_lab import checkpoint as ckpt_lab_checkpoint
+from ckpt_lab.bench.workloads import mlp
 from ckpt_lab.helpers.show import show_source
-from ckpt_lab.helpers.viz import plot_memory_bars, save_figure
-from ckpt_lab.instruments.state import assert_no_global_state
-from ckpt_lab.scope import (
-    _AfterBackward,
-    _PackHook,
-    _Recording,
-    _RecordingMode,
-    _Replayer,
-    _ResidentHooks,
-    _restack,
-)
+from ckpt_lab.helpers.viz import save_figure
+from ckpt_lab.instruments.state import assert_no_global_state as assert_clean  # no hooks, modes, patches left
+from ckpt_lab.scope import _PackHook, _restack, _thread
 
-# Kept before anything could patch them: the peer (RETURNN) replaces these two methods.
-ORIGINAL_HOOKS_METHODS = (saved_tensors_hooks.__enter__, saved_tensors_hooks.__exit__)
-_ = torch.manual_seed(0)
 print("torch", torch.__version__)
 
-
 # %% [markdown]
-# Helpers used throughout: torch's checkpoint with `use_reentrant` spelled out, a weak reference to
-# a tensor's storage (dead exactly when the memory is freed), and a reading of this thread's
-# saved-tensors-hooks stack. The stack has no public reader; we pop every entry and push it back.
+# Helpers, not the lesson (the stack has no public reader: `hooks_stack` pops it and pushes it back).
 
 # %%
-def torch_checkpoint(function, *args):
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+def leaves(*shapes):
+    return [torch.randn(*shape, requires_grad=True) for shape in shapes]
 
+def grads(*tensors):  # the gradients, cleared for the next run
+    out = [None if t.grad is None else t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
+    return out
 
-def storage_ref(t):
-    return weakref.ref(t.untyped_storage())
+def all_equal(xs, ys):
+    return all(torch.equal(x, y) for x, y in zip(xs, ys, strict=True))
 
-
+# %%
 def top_hooks():
     return _top_saved_tensors_default_hooks(False)
 
+def clear_hooks():  # pop whatever a draft left on the stack
+    while top_hooks() is not None:
+        _pop_saved_tensors_default_hooks()
 
-def hooks_stack():
-    """This thread's saved-tensors-hooks stack, bottom first (popped and pushed back unchanged)."""
+def hooks_stack():  # bottom first, each entry described
     entries = []
     while (top := top_hooks()) is not None:
         _pop_saved_tensors_default_hooks()
         entries.append(top)
     for pack, unpack in reversed(entries):
         _push_saved_tensors_default_hooks(pack, unpack)
-    return entries[::-1]
+    return [describe(pack) for pack, _ in reversed(entries)]
 
-
-def describe(entry):
-    pack = entry[0]
+def describe(pack):
     if isinstance(pack, _PackHook):
-        return "ours: resident" if pack.below is None else f"ours, others to {describe(pack.below)}"
+        return "resident entry (ours)" if pack.below is None else f"ours, others to {describe(pack.below[0])}"
     return getattr(pack, "__name__", type(pack).__name__)
-
-
-def show_stack(label):
-    print(f"{label:<38}", [describe(e) for e in hooks_stack()])
-
-
-def leaves(*shapes):
-    return [torch.randn(*shape, requires_grad=True) for shape in shapes]
-
-
-def grads(*tensors):
-    out = [None if t.grad is None else t.grad.clone() for t in tensors]
-    for t in tensors:
-        t.grad = None
-    return out
-
-
-def all_equal(xs, ys):
-    return all(torch.equal(x, y) for x, y in zip(xs, ys, strict=True))
-
 
 # %% [markdown]
 # ## 1. Below autograd: `TorchDispatchMode`
@@ -148,8 +134,7 @@ def all_equal(xs, ys):
 class LoggingMode(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.ops = []
-        self.grad_fn_seen = False
+        self.ops, self.grad_fn_seen = [], False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -157,394 +142,250 @@ class LoggingMode(TorchDispatchMode):
         self.grad_fn_seen |= isinstance(out, torch.Tensor) and out.grad_fn is not None
         return out
 
-
-lin = nn.Linear(4, 3)
-x = torch.randn(2, 4, requires_grad=True)
+lin, x = nn.Linear(4, 3), torch.randn(2, 4, requires_grad=True)
 with LoggingMode() as forward_log:
-    loss = F.relu(lin(x)).sum()
+    loss = F.relu(lin(x)).sin().sum()  # relu saves its output, sin its input
 with LoggingMode() as backward_log:
     loss.backward()
 print("forward: ", forward_log.ops)
 print("backward:", backward_log.ops)
 print("an op's output had a grad_fn down there:", forward_log.grad_fn_seen)
-for name, op in {"sin (saves its input)": torch.sin, "exp (saves its output)": torch.exp}.items():
-    with LoggingMode() as log:
-        _ = op(x)
-    print(f"{name:<24}", log.ops)
 
 # %% [markdown]
-# These are *post-autograd aten ops*:
+# These are *post-autograd aten ops*: `nn.Linear` arrives as what the backend ran (`t`, `addmm`);
+# backward's ops pass through here too; `detach` follows an op that saves its *output* (`relu`), not
+# its input (`sin`); and no output has a `grad_fn`, so an op re-run from here builds no graph. So
+# the scope records here: a flat list of `(op, arguments)` that replays **without the user's Python
+# code** (`x = a + b` has long returned when backward needs `x`) and **without autograd**.
 #
-# * `nn.Linear` never arrives as `linear`: it is a composite op that decomposes, above us, into a
-#   transpose `t` and a fused `addmm`. What we see is what the backend really ran.
-# * Backward's ops pass through the same place: the engine runs `threshold_backward`, `mm` and so on
-#   as ordinary aten ops.
-# * `detach` is autograd's own bookkeeping: it appears when an op saves its *output* for backward
-#   (`exp`, `relu`), not when it saves its input (`sin`).
-# * Down here no output has a `grad_fn`: autograd has already recorded the graph above us. An op
-#   re-run from here builds no graph.
+# ## 2. Scope versus checkpoint on the API page's example
 #
-# That is why the scope records at this level. The recording is a flat list of `(op, arguments)`
-# that can be replayed **without the user's Python code** (the forward of `x = a + b` has long
-# returned when backward needs `x`; there is no function to call again) and **without autograd**
-# (the replay must produce tensors, not a second graph). Python control flow, module hooks, autocast
-# decisions: all already resolved into the ops we see.
-
-# %% [markdown]
-# ## 2. Scope versus checkpoint on seed 003's example
-#
-# `x = a + b` inside, `y = x * c` after; `mul` saves both of its inputs. `torch.utils.checkpoint` can
-# only wrap `a + b` as a function: its output `x` is then an ordinary tensor, and `mul` stores it. The
-# scope recomputes `x` itself. Live bytes after the forward, with `x` dropped by the user:
+# `x = a + b` inside, `y = x * c` after; `mul` saves both inputs. `torch.utils.checkpoint` can only
+# wrap `a + b` as a function, whose output `x` `mul` then stores; the scope recomputes `x` itself.
+# Live bytes after the forward, with `x` dropped by the user:
 
 # %%
-_ = torch.manual_seed(0)
-a, b, c = leaves((1000,), (1000,), (1000,))
-with LiveMemory() as mem:
-    x = torch_checkpoint(lambda a, b: a + b, a, b)
-    y_ckpt = x * c
-    del x
-    checkpointed = mem.live_bytes
-    with gradient_checkpoint_scope():
-        x = a + b
-    y_scope = x * c
-    del x
-    scoped = mem.live_bytes - checkpointed
-print("torch.utils.checkpoint, live bytes after forward:", checkpointed, "(x and y)")
-print("gradient_checkpoint_scope, live bytes after forward:", scoped, "(y only)")
-y_ckpt.sum().backward()
-ckpt_grads = grads(a, b, c)
-y_scope.sum().backward()
-print("gradients equal (a, b, c):", all_equal(ckpt_grads, grads(a, b, c)))
-del y_ckpt, y_scope
-
-# %% [markdown]
-# The two answer different questions. A checkpoint says *what to store* (its inputs and outputs) and
-# recomputes everything between; the scope says *what to recompute* (everything made inside it) and
-# leaves the rest to autograd.
-#
-# ## 3. Building the scope
-#
-# ### Draft 1: record, hand out handles, replay, and pop the hooks at `__exit__`
-#
-# A dispatch mode records the ops; a pack hook recognises a tensor the scope made (by its storage)
-# and stores a small handle instead; the unpack hook replays the recording under `no_grad`. Draft 1
-# pushes its hooks in `__enter__` and pops them in `__exit__`, like every `saved_tensors_hooks`.
-
-# %%
-class DraftRecorder(TorchDispatchMode):
-    def __init__(self, scope):
-        super().__init__()
-        self.scope = scope
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.scope.record(func, args, kwargs or {}, out)
-        return out
-
-
-class DraftScopeV1:
-    """Draft 1: records ops, packs scope tensors as slot numbers, replays all on every unpack."""
-
-    def __init__(self):
-        self.ops = []  # (func, args with tensors as slots, kwargs, output slot)
-        self.sources = []  # per slot: an outside tensor, or None for one the scope made
-        self.slot_of = {}  # id(tensor) -> slot, while recording
-        self.storage_slot = {}  # id(storage) -> slot, for tensors the scope made (draft: ids may be reused)
-
-    def encode(self, value):
-        if not isinstance(value, torch.Tensor):
-            return value
-        if id(value) not in self.slot_of:
-            self.slot_of[id(value)] = len(self.sources)
-            self.sources.append(value)
-        return ("slot", self.slot_of[id(value)])
-
-    def record(self, func, args, kwargs, out):
-        args = [self.encode(v) for v in args]
-        kwargs = {k: self.encode(v) for k, v in kwargs.items()}
-        slot = len(self.sources)
-        self.sources.append(None)
-        self.slot_of[id(out)] = slot
-        self.storage_slot[id(out.untyped_storage())] = slot
-        self.ops.append((func, args, kwargs, slot))
-
-    def pack(self, tensor):
-        slot = self.storage_slot.get(id(tensor.untyped_storage()))
-        return tensor if slot is None else ("handle", slot)
-
-    def unpack(self, packed):
-        if not (isinstance(packed, tuple) and packed[0] == "handle"):
-            return packed
-        values = list(self.sources)
-        resolve = lambda v: values[v[1]] if isinstance(v, tuple) and v[:1] == ("slot",) else v
-        with torch.no_grad():
-            for func, args, kwargs, slot in self.ops:
-                values[slot] = func(*map(resolve, args), **{k: resolve(v) for k, v in kwargs.items()})
-        return values[packed[1]]
-
-    def __enter__(self):
-        self.hooks = saved_tensors_hooks(self.pack, self.unpack)
-        self.hooks.__enter__()
-        self.mode = DraftRecorder(self)
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
-        self.hooks.__exit__(*exc)
-
-
-def seed_003_example(scope, also_inside=False):
-    """Live bytes after seed 003's forward (x dropped), and the gradients."""
+def api_page_example(scope):
+    """Live bytes after the forward (the user's x dropped), and the gradients."""
     _ = torch.manual_seed(0)
     a, b, c = leaves((1000,), (1000,), (1000,))
     with LiveMemory() as mem:
-        with scope():
-            x = a + b
-            if also_inside:
-                x = x.sin()  # saved by sin, *inside* the scope
+        if scope == "checkpoint":
+            x = torch.utils.checkpoint.checkpoint(torch.add, a, b, use_reentrant=False)
+        else:
+            with scope():
+                x = a + b
         y = x * c
         del x
         kept = mem.live_bytes
         y.sum().backward()
     return kept, grads(a, b, c)
 
-
-plain_bytes, plain_grads = seed_003_example(contextlib.nullcontext, also_inside=True)
-draft_bytes, draft_grads = seed_003_example(DraftScopeV1, also_inside=True)
-print("x.sin() inside, x * c after | no scope:", plain_bytes, "B | draft 1:", draft_bytes, "B")
-print("gradients equal to no scope:", all_equal(plain_grads, draft_grads))
-print("hooks left after draft 1:", top_hooks() is not None)
+ckpt_bytes, ckpt_grads = api_page_example("checkpoint")
+scope_bytes, scope_grads = api_page_example(gradient_checkpoint_scope)
+print("live bytes after forward, torch.utils.checkpoint:", ckpt_bytes, "(x and y)")
+print("live bytes after forward, scope:", scope_bytes, "(y only)")
+print("gradients equal:", all_equal(ckpt_grads, scope_grads))
 
 # %% [markdown]
-# It works for what is saved *inside* the `with` block: `sin` got a handle for `a + b`, saving 4,000
-# bytes. But the point of the scope is `y = x * c`, which runs after `__exit__` popped the hooks, so
-# `mul` stores `x` as usual:
+# A checkpoint says *what to store* (its inputs and outputs) and recomputes everything between; the
+# scope says *what to recompute* (everything made inside it) and leaves the rest to autograd.
+#
+# ## 3. Building the scope
+#
+# ### Draft 1: record, hand out handles, replay, and pop the hooks at `__exit__`
+#
+# A dispatch mode records the ops on a tape; a pack hook recognises a tensor the scope made (by its
+# storage) and stores the position of the op that made it; the unpack hook replays the tape under
+# `no_grad`. Draft 1 pushes its hooks in `__enter__` and pops them in `__exit__`:
 
 # %%
-draft1_bytes, _ = seed_003_example(DraftScopeV1)
-package_bytes, _ = seed_003_example(gradient_checkpoint_scope)
-print("x * c after the scope | draft 1:", draft1_bytes, "B | ckpt_lab:", package_bytes, "B")
+class Made(int):
+    """A tensor argument made by the scope, recorded as the position of the op that made it."""
+
+class DraftTape(TorchDispatchMode):
+    """A tape of ops; a tensor the scope made is recorded (and packed, below) as a Made."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.tape.append((func, [self.pack(v) if isinstance(v, torch.Tensor) else v for v in args], kwargs))
+        self.made[id(out.untyped_storage())] = Made(len(self.tape) - 1)
+        return out
+
+    def pack(self, tensor):  # outside tensors are kept as they are
+        return self.made.get(id(tensor.untyped_storage()), tensor)
+
+# %%
+class DraftScopeV1(DraftTape):
+    """Draft 1: the tape's pack hook, pushed in __enter__ and popped in __exit__; unpack replays."""
+
+    def __enter__(self):
+        self.tape, self.made = [], {}  # made: id(storage) -> Made (draft: ids of dead storages are reused)
+        self.hooks = saved_tensors_hooks(self.pack, self.unpack)
+        self.hooks.__enter__()
+        return super().__enter__()  # the dispatch mode: start recording
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.hooks.__exit__(*exc)
+
+    def unpack(self, packed):
+        if type(packed) is not Made:
+            return packed
+        values = []
+        with torch.no_grad():  # a replay builds no graph
+            for func, args, kwargs in self.tape:
+                values.append(func(*[values[v] if type(v) is Made else v for v in args], **(kwargs or {})))
+        return values[packed]
+
+# %%
+print("x * c after the scope | draft 1:", api_page_example(DraftScopeV1)[0], "B | ckpt_lab:",
+      scope_bytes, "B | hooks left after draft 1:", top_hooks() is not None)
 
 # %% [markdown]
+# `y = x * c` runs after `__exit__` popped the hooks, so `mul` stores `x`: 8,000 bytes, as the
+# checkpoint.
+#
 # ### Draft 2: leave the hooks pushed at `__exit__`
 #
-# The obvious fix: don't pop. Then `x * c` goes through our pack hook, and `x` is recomputed:
+# The obvious fix: don't pop. Then `x * c` goes through our pack hook, and `x` is recomputed. But the
+# saved-tensors-hooks stack is strictly last-in, first-out, and torch's `saved_tensors_hooks.__exit__`
+# is one line, `torch._C._autograd._pop_saved_tensors_default_hooks()`: it checks nothing and pops
+# whatever is on top. So inside an enclosing `saved_tensors_hooks` (a user's logging hook,
+# `save_on_cpu`, a checkpoint), the enclosing `__exit__` pops *draft 2's* entry, and its own stays:
 
 # %%
 class DraftScopeV2(DraftScopeV1):
     """Draft 2: as draft 1, but the hooks stay on the stack after ``__exit__`` (popped by nobody)."""
 
     def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
+        TorchDispatchMode.__exit__(self, *exc)  # stop recording only
 
-
-draft2_bytes, draft2_grads = seed_003_example(DraftScopeV2)
-print("x * c after the scope | draft 2:", draft2_bytes, "B; gradients equal to no scope:",
-      all_equal(seed_003_example(contextlib.nullcontext)[1], draft2_grads))
-while top_hooks() is not None:  # draft 2 left its entries behind: clean up
-    _pop_saved_tensors_default_hooks()
-
-# %% [markdown]
-# 4,000 bytes. But the saved-tensors-hooks stack is thread-local and strictly last-in, first-out,
-# and `saved_tensors_hooks.__exit__` checks nothing: it pops whatever is on top.
-
-# %%
-show_source(saved_tensors_hooks.__exit__)
-
-# %% [markdown]
-# So inside an enclosing `saved_tensors_hooks` (a user's logging hook, `save_on_cpu`, a checkpoint),
-# the enclosing context's `__exit__` pops *draft 2's* entry, and its own stays behind:
-
-# %%
 def log_pack(t):
     logged.append(t.shape)
     return t
 
-
-def log_unpack(t):
-    return t
-
-
+draft2_bytes, draft2_grads = api_page_example(DraftScopeV2)
+print("x * c after the scope | draft 2:", draft2_bytes, "B | gradients equal to the scope's:",
+      all_equal(scope_grads, draft2_grads))
+clear_hooks()
 logged = []
-_ = torch.manual_seed(0)
 a, b, c = leaves((1000,), (1000,), (1000,))
-with saved_tensors_hooks(log_pack, log_unpack):
+with saved_tensors_hooks(log_pack, lambda t: t):
     with DraftScopeV2():
         x = a + b
     y = x * c  # c is not a scope tensor: the enclosing hook should see it
-    packs_inside = len(logged)
-print("packs the enclosing hook saw for x * c (c should be one):", packs_inside)
-print("stack after both with blocks closed:", [describe(e) for e in hooks_stack()])
+    print("packs the enclosing hook saw for x * c (c should be one):", len(logged))
+print("stack after both with blocks closed:", hooks_stack())
 logged.clear()
 z = (a * b).sum()  # long after the user's with block
 print("packs by the user's hook *after* its with block:", len(logged))
-while top_hooks() is not None:  # clean up what draft 2 broke
-    _pop_saved_tensors_default_hooks()
+clear_hooks()
 del x, y, z
 
 # %% [markdown]
-# Two failures, no exception: the enclosing hook was bypassed while draft 2's entry sat on top (0
-# packs instead of 1: with `save_on_cpu` that is a tensor left on the GPU), and after both blocks the
-# *user's* logging hook is still active, forever. Draft 2 also never releases its own entry.
+# Two silent failures: the enclosing hook was bypassed (0 packs, not 1: with `save_on_cpu`, a tensor
+# left on the GPU), and the *user's* hook stays active forever.
 #
-# ### The package: three pieces
+# ### The package: three pieces and one listing
 #
-# The package's scope is a `contextlib.contextmanager`: grad off, nested in another scope, inside
-# backward, inside a hook or inside a checkpointed function it does nothing; otherwise it opens a
-# `_Recording`, pushes an entry, records under `_RecordingMode`, and closes.
+#
+# * **Recording** (`_RecordingMode`, `_Recording`): draft 1's tape, plus version checks of the
+#   outside tensors it reads, views of scope tensors recognised by storage, and in-place writes to
+#   outside tensors replayed into a copy (04b, A.6).
+# * **Packing** (`_PackHook`, below): a scope tensor becomes a `_ScopeTensorRef`; any other goes to
+#   the hook this entry stands in for (`below`), or is stored as autograd would store it.
+# * **Replaying** (`_Replayer`): the *first* unpack of a backward replays the recording **once**
+#   (no grad, the forward's RNG in a fork, intermediates freed early) and keeps the recomputed
+#   tensor of *every* slot a live reference wants: "all at once" decides the peak in §5.
+#
+# The scope does nothing with grad off, nested, inside backward or inside a checkpoint (04b, A.8).
+# The pack hook, less the lines that count the thread's hook depth:
 
 # %%
-show_source(gradient_checkpoint_scope)
-
-# %% [markdown]
-# "Inside a checkpointed function" is the one condition with a story. A checkpoint such as
-# torch's non-reentrant one re-runs its function in backward and matches the tensors the re-run
-# saves to the forward's *by position*; in backward a scope does nothing, so a scope that acted in
-# the forward would shift the positions. The scope recognises such a checkpoint by its pack hook,
-# not by the name of its module: torch's by the code objects of its pack hooks, any other by an
-# attribute, `recomputes_region = True`, that its pack hook carries (ckpt_lab's checkpoint sets it).
-
-# %%
-show_source(scope_module, start="# NOTE [ A scope inside a checkpoint ]", stop="def _pack_hook_codes")
-
-
-# %%
-from ckpt_lab import checkpoint as ckpt_lab_checkpoint
-
-
-def pack_hook_inside(run_checkpoint):
-    """The innermost pack hook, as a function run by ``run_checkpoint`` sees it."""
-    seen = []
-
-    def function(x):
-        seen.append(top_hooks()[0])
-        return x.sin()
-
-    run_checkpoint(function, torch.randn(3, requires_grad=True))
-    return seen[0]
-
-
-checkpoints = {"torch.utils.checkpoint": torch_checkpoint, "ckpt_lab.checkpoint": ckpt_lab_checkpoint}
-for name, run_checkpoint in checkpoints.items():
-    print(f"{name:<32} recognised:", scope_module._recomputes_region(pack_hook_inside(run_checkpoint)))
-with saved_tensors_hooks(log_pack, log_unpack):
-    print(f"{'a user saved_tensors_hooks':<32} recognised:", scope_module._recomputes_region(top_hooks()[0]))
-
-# %% [markdown]
-# **Recording.** `_RecordingMode` hands every op to the `_Recording`, the scope's tape, which
-# replaces each tensor argument by its *slot* (an outside tensor gets a slot of its own, kept by
-# strong reference and checked by version at replay), keeps one `_SlotRecord` per slot, and gives
-# each new storage an owner entry, so that a pack hook can recognise it, and its views, by storage.
-
-# %%
-show_source(_RecordingMode.__torch_dispatch__)
-
-# %%
-show_source(_Recording.record)
-
-# %% [markdown]
-# **Packing.** One `_PackHook` object per entry of ours. A scope tensor becomes a
-# `_ScopeTensorRef`; anything else goes to the hook this entry stands in for (`below`), or, for the
-# resident entry, is stored as autograd would store it (`_Stored`, with autograd's version check
-# redone).
-
-# %%
-show_source(_PackHook)
-
-# %% [markdown]
-# **Replaying.** The first unpack of a backward replays the recording once, under `no_grad`, with the
-# forward's RNG state inside a fork and autocast off (the recorded ops are already cast), stopping
-# after the last op that writes a wanted tensor and freeing intermediates as soon as no later op
-# reads them. A `_Replayer` does this for each recording; every recomputed tensor is handed out to
-# the references that want it, then dropped.
-
-# %%
-show_source(_Replayer.serve)
-
-# %%
-show_source(_Replayer._replay)
+show_source(_PackHook.__call__, start="owner = ", stop="finally")
 
 # %% [markdown]
 # ### The hard part: hooks that outlive the `with` block
 #
-# Draft 2 showed the constraint: after the scope closes, an entry of ours must stay on the stack as
-# long as a scope tensor may still be saved, yet every enclosing context must still pop exactly
-# *its own* entry. `_ResidentHooks` solves it by rebuilding the stack when a scope closes with its
-# tensors alive: one **resident** entry at the bottom, every entry above it **wrapped** (scope
-# tensors to us, the rest to the original hook). The enclosing `__exit__` then pops its wrapper,
-# which is exactly its own entry as far as anyone can tell. Watch the stack:
+# An entry of ours must stay after the scope closes, yet every enclosing context must still pop
+# *its own* entry. So a scope that closes with its tensors alive rebuilds the stack: a **resident
+# entry** of ours at the *bottom*, every entry above it **wrapped** (a `_PackHook` whose `below` is
+# the original pair: scope tensors to us, the rest to it). Each `__exit__` pops its wrapper:
 
 # %%
-_ = torch.manual_seed(0)
 a, c = leaves((100,), (100,))
-show_stack("before")
-with saved_tensors_hooks(log_pack, log_unpack):
-    show_stack("in the user's with")
+stacks = {"before": hooks_stack()}
+with saved_tensors_hooks(log_pack, lambda t: t):
+    stacks["in the user's with"] = hooks_stack()
     with gradient_checkpoint_scope():
-        show_stack("in the scope")
+        stacks["in the scope"] = hooks_stack()
         x = a.sin()
-    show_stack("scope closed, x alive")
+    stacks["scope closed, x alive"] = hooks_stack()
     y = x * c
-show_stack("user's with closed, x alive")
+stacks["user's with closed"] = hooks_stack()
 del x
-show_stack("x deleted (y's handle is not x)")
+stacks["x deleted (y's ref is not x)"] = hooks_stack()
 y.sum().backward()
-print("stack empty after backward:", top_hooks() is None)
 del y
+stacks["after backward"] = hooks_stack()
+for moment, stack in stacks.items():
+    print(f"{moment:<30}", stack)
+
+# %%
+fig, ax = plt.subplots(figsize=(11, 2.6))
+for column, (moment, stack) in enumerate(stacks.items()):
+    ax.text(column * 1.6 + 0.72, -0.35, moment, ha="center", va="top", fontsize=7.5, wrap=True)
+    for level, name in enumerate(stack or ["(empty)"]):
+        role = "scope's entry" if moment == "in the scope" else "wrapper (ours)"
+        label = f"{role}\nothers → log_pack" if name[0] == "o" else name.replace(" (ours)", "\n(ours)")
+        colour = {"r": "#e6a23c", "o": "#9ecae1", "l": "#c7e9c0"}.get(name[0], "white")
+        edge = "black" if stack else "none"
+        ax.add_patch(plt.Rectangle((column * 1.6, level), 1.45, 0.9, color=colour, ec=edge))
+        ax.text(column * 1.6 + 0.72, level + 0.45, label, ha="center", va="center", fontsize=7.5)
+ax.set(xlim=(-0.1, 1.6 * len(stacks)), ylim=(-1.1, 2.1), title="the saved-tensors-hooks stack at each moment")
+ax.axis("off")
+save_figure(fig, "04_hooks_stack")
+plt.close(fig)
 
 # %% [markdown]
-# While open, the scope's own entry (a `_PackHook` whose `below` is the user's pair) sat on top of
-# the user's, passing non-scope tensors down to it. When the scope closed while `x` lived, the stack
-# became *resident* at the bottom, and above it a *wrapper*: another `_PackHook` standing in for the
-# user's pair; the user's
-# `__exit__` popped the wrapper; and when `x`'s storage died (a `weakref` callback on the storage,
-# see `_storage_died`), the resident entry was taken out: the stack is exactly as if we had never
-# been there.
+# ![the saved-tensors-hooks stack at each moment](../images/04_hooks_stack.png)
+#
+# When `x`'s storage died (a `weakref` callback; `y`'s saved reference is not `x`), the resident
+# entry was taken out: the stack is as if we had never been there. `_restack`'s general case (the
+# lines before it handle cases that touch only the top, then pop every entry, as `hooks_stack`
+# does):
 
 # %%
-show_source(_ResidentHooks, start="def open_scope", stop="def release_if_idle")
-
-# %%
-show_source(_restack)
+show_source(_restack, start="resident = (resident", stop="return resident")
 
 # %% [markdown]
-# **Releasing during backward.** The last scope tensor may die *inside* backward: a later scope that
-# read `x` keeps it (see NOTE [ Inputs are kept, not recomputed ] in `ckpt_lab/scope.py`), and that
-# recording's replayer dies when backward frees the references to it. But the autograd engine restores the thread-local state, hooks stack included, after
-# every node, silently undoing any change made there. A check of that fact: pop an entry from a
-# tensor hook during backward.
+# **Releasing during backward.** The last scope tensor may die inside a graph task, but the engine
+# restores the hooks stack after every node, undoing any change made there. A check:
 
 # %%
-_push_saved_tensors_default_hooks(log_pack, log_unpack)
+_push_saved_tensors_default_hooks(log_pack, lambda t: t)
 a = torch.randn(3, requires_grad=True)
 seen_inside = []
 a.register_hook(lambda g: seen_inside.append((_pop_saved_tensors_default_hooks(), top_hooks())[1]))
 (a * a).sum().backward()
 print("stack top inside backward after the pop:", seen_inside[0])
-print("after backward, the popped entry is back:", describe(top_hooks()))
+print("after backward, the popped entry is back:", describe(top_hooks()[0]))
 _pop_saved_tensors_default_hooks()
 print("clean:", top_hooks() is None)
 
 # %% [markdown]
-# So `release_if_idle`, called inside backward, queues a final callback, `_AfterBackward`, with the
-# engine. The callback itself runs still under the engine's state guard, so it does nothing; its use
-# is its *death*: the engine drops it with the graph task after backward has returned, on the thread
-# that called backward, and its `__del__` does the release there.
+# So the resident entry is removed only at a **safe point**. Inside backward, `release_if_idle`
+# queues a final callback, `_AfterBackward`, that does nothing (it still runs under the engine's
+# guard); its use is its *death*: the engine drops it with the graph task after backward returns,
+# on the calling thread, and its `__del__` calls `release_if_idle()` there. A case: a second scope
+# reads `x`, so its recording keeps `x` until backward releases it.
 
 # %%
-show_source(_ResidentHooks.release_if_idle)
-
-# %%
-show_source(_AfterBackward)
-
-# %%
-_ = torch.manual_seed(0)
 a, c = leaves((300,), (300,))
 with gradient_checkpoint_scope():
     x = a.sin()
-ref = storage_ref(x)
+ref = weakref.ref(x.untyped_storage())  # dead exactly when x's memory is freed
 with gradient_checkpoint_scope():
     y = (x * x).exp()  # x is an input of this scope: its recording keeps x
 z = y * c
@@ -555,363 +396,210 @@ print("before backward: x's storage alive:", ref() is not None, "| resident entr
 z.sum().backward()
 del z
 print("inside backward: in a graph task, resident entry still there:", inside[0])
-print("after backward: x's storage alive:", ref() is not None,
-      "| _top_saved_tensors_default_hooks(False) is None:", _top_saved_tensors_default_hooks(False) is None)
+print("after backward: x's storage alive:", ref() is not None, "| hooks stack empty:", top_hooks() is None)
 
 # %% [markdown]
 # ## 4. RNG: dropout inside the scope
 #
-# The scope captures the RNG state when it opens (CPU, and every device of an *initialised*
-# accelerator), and the replay draws inside `torch.random.fork_rng`-style fork: the same masks as the
-# forward, and the caller's stream goes on as if no replay had happened.
+# The scope captures the RNG state when it opens (CPU, and every *initialised* accelerator); the
+# replay draws in a `fork_rng`-style fork: the forward's masks, and the caller's stream untouched.
 
 # %%
 def dropout_case(scope):
     _ = torch.manual_seed(0)
     a, c = leaves((4, 256), (256,))
     with scope():
-        x = F.dropout(a.sin(), p=0.5) * 2
-        x = F.dropout(x, p=0.3)
+        x = F.dropout(F.dropout(a.sin(), p=0.5) * 2, p=0.3)
     (x * c).sum().backward()
     return [*grads(a, c), torch.rand(5)]  # the last: the caller's next random numbers
 
-
-plain, scoped = dropout_case(contextlib.nullcontext), dropout_case(gradient_checkpoint_scope)
-print("gradients bitwise equal (torch.equal):", all_equal(plain[:2], scoped[:2]))
-print("next torch.rand(5) equal, RNG stream untouched:", torch.equal(plain[2], scoped[2]))
+plain_run, scope_run = dropout_case(contextlib.nullcontext), dropout_case(gradient_checkpoint_scope)
 with OpCounter() as ops:
     dropout_case(gradient_checkpoint_scope)
+print("gradients bitwise equal (torch.equal):", all_equal(plain_run[:2], scope_run[:2]))
+print("next torch.rand(5) equal, RNG stream untouched:", torch.equal(plain_run[2], scope_run[2]))
 print("bernoulli_ calls, forward + replay:", ops.counts["bernoulli_"])
 
 # %% [markdown]
-# ## 5. Better than the peer, point by point
+# ## 5. Memory on a chain of scoped blocks: what is kept, what runs when
 #
-# The peer is RETURNN's `gradient_checkpoint_scope` (seed 003), which solves the hard part
-# differently: it **monkey-patches** `saved_tensors_hooks.__enter__`/`__exit__` globally and
-# unregisters later from callbacks. Each point below runs the same case function with ours (cells
-# nbval checks) and then, in a cell tagged `nbval-ignore-output`, with the peer: **those cells show
-# the peer only where `returnn` is installed** (CI does not install it; there they print one line).
-# After every peer run we put the global state back (`run_peer` below), so that the peer's leftovers
-# cannot affect later cells.
-
-# %% tags=["nbval-ignore-output"]
-try:
-    import returnn
-    from returnn.torch.util.gradient_checkpoint import gradient_checkpoint_scope as peer_scope
-
-    print("peer: returnn", returnn.__version__, "is installed")
-except ImportError:
-    peer_scope = None
-    print("peer: returnn is not installed; the peer cells below print one line each")
-
-
-@contextlib.contextmanager
-def cleaning_up_after_the_peer(report):
-    """Record whether the peer left hooks behind, then remove them and any patch."""
-    unraisable = []
-    old_hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
-    try:
-        with warnings.catch_warnings(record=True):
-            warnings.simplefilter("always")
-            yield
-    finally:
-        report["hooks left behind"] = top_hooks() is not None
-        report["methods patched"] = (saved_tensors_hooks.__enter__,
-                                     saved_tensors_hooks.__exit__) != ORIGINAL_HOOKS_METHODS
-        gc.collect()  # the peer's finalizers may still run
-        while top_hooks() is not None:
-            _pop_saved_tensors_default_hooks()
-        saved_tensors_hooks.__enter__, saved_tensors_hooks.__exit__ = ORIGINAL_HOOKS_METHODS
-        sys.unraisablehook = old_hook
-        report["ignored exceptions"] = [type(u.exc_value).__name__ for u in unraisable]
-
-
-def run_peer(name, case):
-    if peer_scope is None:
-        print(f"{name}: returnn not installed, peer skipped")
-        return
-    report = {}
-    with cleaning_up_after_the_peer(report):
-        try:
-            report["result"] = case(peer_scope)
-        except Exception as error:  # the peer's failures are part of the comparison
-            report["raised"] = f"{type(error).__name__}: {str(error)[:150]}"
-    print(f"{name} (peer):", report)
-
-
-def assert_clean():
-    """The project's one check: no hooks, dispatch modes, grad mode or patched methods left, and the
-    scope holds nothing (no storage registered, this thread's resident entry released)."""
-    return assert_no_global_state()
-
-
-# %% [markdown]
-# ### 5.1 No global state left behind
-#
-# After a scope and its backward: no hook entry, no patched method, and the next user's
-# `saved_tensors_hooks`, torch's checkpoint and `save_on_cpu` all work.
+# The benchmark (README) found that a scope per block retains *less* than a checkpoint per block
+# but peaks *higher*. The same on four of its MLP blocks (Linear, GELU, Dropout; width 256, batch
+# 16) and its loss, `h.square().mean()`, which saves the last output. Retained: kept from forward
+# to backward; peak: the most alive at once, gradients excluded; unit: one *block boundary*.
 
 # %%
-def no_global_state(scope):
+def scoped_block(block, h):
+    with gradient_checkpoint_scope():
+        return block(h)
+
+def run_chain(stack, wrap, loss=lambda h: h.square().mean(), mem=None):
+    torch.manual_seed(1)  # the same dropout masks for every variant
+    h = stack.input
+    for k, block in enumerate(stack.blocks, 1):
+        h = wrap(block, h)
+        if mem is not None:
+            mem.name_output(h, f"h{k}")
+    return loss(h)
+
+chain_variants = {"no checkpoint": lambda block, h: block(h),
+                  "ckpt_lab.checkpoint per block": ckpt_lab_checkpoint, "scope per block": scoped_block}
+
+def compare_chain(make_stack, unit, **kwargs):
+    """measure_memory for each variant, each on a fresh stack built outside the measurement."""
+    chain = {name: measure_memory(partial(run_chain, make_stack(), wrap, **kwargs))
+             for name, wrap in chain_variants.items()}
+    print(f"unit: one block boundary, {unit:,} bytes")
+    for name, r in chain.items():
+        print(f"{name:<30} retained {r.retained_bytes / unit:5.2f}   peak {r.peak_bytes / unit:5.2f}")
+    per_block, scope = chain["ckpt_lab.checkpoint per block"], chain["scope per block"]
+    less = (per_block.retained_bytes - scope.retained_bytes) / unit
+    print(f"scope vs checkpoint per block: retained {less:g} boundaries less,",
+          f"peak {(scope.peak_bytes - per_block.peak_bytes) / unit:g} higher")
+
+small_mlp, unit = partial(mlp, 4, width=256, batch=16), 16 * 256 * 4  # unit: one block boundary
+compare_chain(small_mlp, unit)
+
+# %% [markdown]
+# The checkpoint keeps its four outputs (`h4` is saved by `square`); the scope keeps `h1`–`h3`
+# (each held by the next scope, which reads it) and recomputes `h4`. For the peak, an instrument
+# (next two cells) names every storage: its op, `h1`…`h4` for block outputs, `h1'`…`h4'` for equal
+# tensors a recomputation makes (a checkpoint's re-run with grad on, or a replay in a scope hook).
+
+# %%
+class NamedMemory(LiveMemory):
+    def __init__(self):
+        super().__init__()
+        self.names, self.outputs, self.kinds = {}, {}, []
+
+    def name_output(self, h, name):
+        self.names[self._live[id(h.untyped_storage())]] = name
+        with torch.utils._python_dispatch._disable_current_modes():
+            self.outputs[name] = h.detach().clone()  # a copy this instrument does not count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        first = len(self.events)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        # in_hook: one of the scope's hooks (and so its replay) is running
+        recompute = self.phase == "backward" and (_thread.in_hook > 0 or torch.is_grad_enabled())
+        self.kinds.append((first, "recompute" if recompute else self.phase))
+        for serial, sign, _ in self.events[first:]:
+            if sign > 0:
+                copies = [n for n, t in self.outputs.items() if recompute and isinstance(out, torch.Tensor)
+                          and out.shape == t.shape and torch.equal(out, t)]
+                self.names[serial] = copies[0] + "'" if copies else func.overloadpacket.__name__
+        return out
+
+# %%
+def named_timeline(wrap, make_stack=small_mlp, **kwargs):
+    """Live bytes after every event (gradients excluded), and the storages of a boundary or more alive."""
+    stack = make_stack()
+    with NamedMemory() as mem:
+        loss = run_chain(stack, wrap, mem=mem, **kwargs)
+        mem.phase = "backward"
+        loss.backward()
+        del loss
+    excluded = mem.born_in("backward")  # the .grad of leaves, as measure_memory excludes them
+    live, alive, curve, named = 0, set(), [], []
+    for serial, sign, _ in mem.events:
+        if serial not in excluded:
+            live += sign * mem._nbytes[serial]
+            (alive.add if sign > 0 else alive.discard)(serial)
+        curve.append(live)
+        named.append(sorted(mem.names[s] for s in alive if mem._nbytes[s] >= unit // 2))
+    return mem, curve, named
+
+# %%
+timelines = {name: named_timeline(chain_variants[name]) for name in list(chain_variants)[1:]}
+for name, (mem, curve, named) in timelines.items():
+    peak_at = curve.index(max(curve))
+    print(f"{name}: peak {max(curve) / unit:.2f} boundaries, in {mem.events[peak_at][2]}")
+    print("   alive then (a boundary or more):", *named[peak_at])
+scope_mem, scope_curve, scope_named = timelines["scope per block"]
+print("events at which a block output and its recomputed copy are both alive:",
+      sum(any(n + "'" in names for n in names) for names in scope_named))
+moments = {}  # the event at which each block output h_k is freed, and at which its copy h_k' is born
+for i, (serial, sign, _) in enumerate(scope_mem.events):
+    name = scope_mem.names[serial]
+    if name[:1] == "h" and name[1:].rstrip("'").isdigit() and (sign < 0) != name.endswith("'"):
+        moments.setdefault(name, i)
+order = sorted(moments, key=moments.get)
+print("scope, in order:", ", ".join(n + (" born" if n.endswith("'") else " freed") for n in order))
+
+# %%
+fig, (ax, strip) = plt.subplots(2, 1, figsize=(11, 4.2), sharex=True, height_ratios=[4, 1])
+for name, (_, curve, _) in timelines.items():
+    ax.step(range(len(curve)), [v / unit for v in curve], where="post", label=name)
+for name, i in moments.items():
+    ax.annotate(name, (i, scope_curve[i] / unit), xytext=(0, 14 if name.endswith("'") else -16),
+                textcoords="offset points", ha="center", fontsize=8, arrowprops={"arrowstyle": "-"})
+peak = (scope_curve.index(max(scope_curve)), max(scope_curve) / unit)
+ax.annotate("scope's peak: the loss's backward\nunpacks h4, scope 4 replays it all", peak,
+            xytext=(40, -6), textcoords="offset points", fontsize=8, arrowprops={"arrowstyle": "->"})
+ax.set_ylabel("live (block boundaries)")
+ax.legend(loc="upper left", fontsize=8)
+colours = {"forward": "#bdbdbd", "recompute": "#e6a23c", "backward": "#6baed6"}
+for (start, kind), (stop, _) in pairwise([*scope_mem.kinds, (len(scope_mem.events), "end")]):
+    strip.axvspan(start, max(stop, start + 0.6), color=colours[kind], lw=0)
+strip.set(yticks=[], ylabel="scope:\nwhat runs", xlabel="event (a storage born or freed)")
+handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+strip.legend(handles, ["forward", "replay (recompute)", "backward"], loc="upper right", fontsize=7, ncol=3)
+fig.tight_layout()
+save_figure(fig, "04_chain_timeline")
+plt.close(fig)
+
+# %% [markdown]
+# ![live memory over a 4-block chain, checkpoint per block vs scope per block](../images/04_chain_timeline.png)
+#
+# **What runs when**, for the scope per block (the strip under the plot, the order as printed):
+#
+# 1. **Forward**, block by block, each in its scope: ops run and are recorded. Scope k+1 keeps
+#    `h_k` as an outside input (NOTE [ Inputs are kept, not recomputed ]); what block k+1 and
+#    `square` save of `h_k` is a reference into scope k, so `h4` is freed in the forward. Kept for
+#    backward: `h1`–`h3` and the loss.
+# 2. **The loss's backward** unpacks the first scope tensor (`h4`). Scope 4 replays **at once all
+#    that backward still wants of it**: `h4'`, GELU's input (`addmm`), the dropout mask
+#    (`empty_like`), while the loss's backward temporaries (`div`, `pow`, `mul`, `mul`) are alive:
+#    **the peak**, 10 boundaries.
+# 3. **Block 4's backward** uses the replayed tensors; when it has released them, scope 4's
+#    recording dies and frees `h3`.
+# 4. **Block 4's first Linear** unpacks its input `h3` for the weight gradient, and scope 3
+#    replays: `h3'` is born, after `h3` died. Steps 3–4 repeat down to block 1.
+#
+# The checkpoint keeps `h4` and re-runs block k when block k's own backward unpacks, after the
+# consumer's temporaries are gone: its peak, 8, is `h1`–`h4` plus the loss's 4 temporaries.
+#
+# **Why the scope peaks higher:** *a scope recomputes all of its saved tensors at the first unpack
+# of any of them, and that first unpack comes from the block's consumer (the loss here, the next
+# block in a stack), whose backward runs before the block's own; so the block's recomputed tensors
+# are alive together with the consumer's backward temporaries, where a checkpoint keeps the output
+# and recomputes later.* Here: +3 boundaries (`h4'`, GELU's input, the mask) against the one (`h4`)
+# the scope did not keep, +2. It is **not** two copies of one tensor alive at once: every block
+# output is freed before its recomputed copy is born (printed above: 0 such events).
+#
+# On a residual stack (`h = h + block(h)`) whose loss, `h.sum()`, saves nothing, the scope retains
+# what the checkpoint does and peaks one boundary higher: scope 3 replays while block 4's hidden
+# gradient (`gelu_backward`) lives:
+
+# %%
+def residual_stack(dim=32):
     _ = torch.manual_seed(0)
-    a, c = leaves((100,), (100,))
-    with scope():
-        x = a.sin()
-    (x * c).sum().backward()
-    del x
-    result = {"hooks left": top_hooks() is not None}
-    packed = []
-    try:
-        with saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
-            (a * c).sum().backward()
-        result["next user hooks packed"] = len(packed)
-    except Exception as error:
-        result["next user hooks"] = f"{type(error).__name__}: {error}"
-    torch_checkpoint(lambda u: u.sin().exp(), a).sum().backward()
-    with save_on_cpu():
-        (a.sin() * c).sum().backward()
-    result["checkpoint and save_on_cpu ran"] = True
-    return result
+    blocks = [nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) for _ in range(4)]
+    return SimpleNamespace(blocks=[lambda u, block=block: u + block(u) for block in blocks],
+                           input=torch.randn(4, 16, dim, requires_grad=True))
 
-
-print(no_global_state(gradient_checkpoint_scope), "| nothing patched, nothing left:", assert_clean())
-
-# %% tags=["nbval-ignore-output"]
-run_peer("no global state", no_global_state)
-
-# %% [markdown]
-# ### 5.2 Several scopes alive at once (rwth-i6/returnn#1583)
-#
-# `get_var1() * get_var2()`: two scopes, each returning a tensor, multiplied. Both scope tensors
-# must be freed right after the product.
-
-# %%
-def several_scopes(scope):
-    _ = torch.manual_seed(0)
-    p1, p2 = leaves((200,), (200,))
-    refs = []
-
-    def get_var(p):
-        with scope():
-            v = p * torch.randn_like(p)
-        refs.append(storage_ref(v))
-        return v
-
-    y = get_var(p1) * get_var(p2)
-    alive = [ref() is not None for ref in refs]
-    y.sum().backward()
-    return alive, grads(p1, p2)
-
-
-alive, scope_grads = several_scopes(gradient_checkpoint_scope)
-print("scope tensors alive after the product (no scope: [True, True]):", alive)
-print("gradients equal to no scope:", all_equal(several_scopes(contextlib.nullcontext)[1], scope_grads))
-print("clean:", assert_clean())
-
-# %% tags=["nbval-ignore-output"]
-run_peer("get_var1() * get_var2(), alive", lambda scope: several_scopes(scope)[0])
-
-# %% [markdown]
-# ### 5.3 Nested scopes
-#
-# Scopes nested on one thread act as one (the outer one records everything already); all their
-# tensors are freed.
-
-# %%
-def nested(scope):
-    _ = torch.manual_seed(0)
-    a, c = leaves((300,), (300,))
-    refs = []
-    with scope():
-        x = a.sin()
-        with scope():
-            y = x.exp()
-            refs.append(storage_ref(y))
-        refs.append(storage_ref(x))
-        z = y * x
-    w = z.cos() * c
-    del x, y
-    alive = [ref() is not None for ref in refs]
-    w.sum().backward()
-    return alive, grads(a, c)
-
-
-alive, scope_grads = nested(gradient_checkpoint_scope)
-print("inner and outer scope tensors alive after forward:", alive)
-print("gradients equal to no scope:", all_equal(nested(contextlib.nullcontext)[1], scope_grads))
-print("clean:", assert_clean())
-
-# %% tags=["nbval-ignore-output"]
-run_peer("nested, alive", lambda scope: nested(scope)[0])
-
-# %% [markdown]
-# ### 5.4 Enclosing hooks still apply to tensors not made in the scope
-#
-# An enclosing `saved_tensors_hooks` must see every saved tensor except the ones the scope
-# recomputes; an enclosing `save_on_cpu` must still offload them.
-
-# %%
-def enclosing_hooks(scope):
-    _ = torch.manual_seed(0)
-    a, c = leaves((100,), (100,))
-    seen = []
-    with saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
-        with scope():
-            x = a.sin()  # saves a: not made in the scope
-        y = x.cos()  # saves x: made in the scope
-        z = y * c  # saves y and c
-    z.sum().backward()
-    names = {id(a): "a", id(c): "c", id(x): "x", id(y): "y"}
-    return sorted(names.get(id(t), "?") for t in seen)
-
-
-def enclosing_save_on_cpu(scope):
-    _ = torch.manual_seed(0)
-    a, c = leaves((100,), (100,))
-    offload = save_on_cpu()
-    offloaded = []
-    pack = offload.pack_hook
-    offload.pack_hook = lambda t: offloaded.append(t.shape) or pack(t)
-    with offload:
-        with scope():
-            x = a.sin().exp()  # saves a and exp's output
-        y = (x * c).sum()  # saves x and c
-    y.backward()
-    return len(offloaded)
-
-
-print("packed by the enclosing hook | no scope:", enclosing_hooks(contextlib.nullcontext),
-      "| scope:", enclosing_hooks(gradient_checkpoint_scope))
-print("offloaded by save_on_cpu     | no scope:", enclosing_save_on_cpu(contextlib.nullcontext),
-      "| scope:", enclosing_save_on_cpu(gradient_checkpoint_scope))
-print("clean:", assert_clean())
-
-# %% tags=["nbval-ignore-output"]
-run_peer("enclosing hook packed", enclosing_hooks)
-run_peer("save_on_cpu offloaded", enclosing_save_on_cpu)
-
-# %% [markdown]
-# ### 5.5 An exception inside the scope leaves no state
-
-# %%
-def raising(scope):
-    a = leaves((10,))[0]
-    try:
-        with scope():
-            _ = a.sin()
-            raise ValueError("boom")
-    except ValueError as error:
-        print("caught:", repr(error))
-    modes_left = torch._C._len_torch_dispatch_stack()
-    return {"hooks left": top_hooks() is not None, "dispatch modes left": modes_left}
-
-
-print(raising(gradient_checkpoint_scope), "| clean:", assert_clean())
-
-# %% tags=["nbval-ignore-output"]
-run_peer("exception", raising)
-
-# %% [markdown]
-# ### 5.6 In-place updates of outside tensors are applied once
-#
-# A replay re-runs the recorded ops, writes included. `buf.add_(1)` inside the scope, or BatchNorm's
-# running statistics, must not be updated a second time in backward. The scope copies such a tensor
-# once, before its first write, and replays into the copy. `torch.utils.checkpoint` re-runs the
-# function, so it updates BatchNorm twice.
-
-# %%
-def outside_buffer(scope):
-    _ = torch.manual_seed(0)
-    a = leaves((20,))[0]
-    buf = torch.zeros(20)
-    with scope():
-        buf.add_(1)
-        y = (a + buf).sin()
-        buf.mul_(3)
-        z = (y + buf).exp()
-    z.sum().backward()
-    return buf.unique().tolist()
-
-
-def batchnorm_steps(scope, use_checkpoint=False):
-    _ = torch.manual_seed(2)
-    bn = nn.BatchNorm1d(8)
-    x = torch.randn(16, 8, requires_grad=True)
-    with scope():
-        y = torch_checkpoint(bn, x) if use_checkpoint else bn(x)
-    (y.relu() ** 2).sum().backward()
-    return int(bn.num_batches_tracked)
-
-
-print("buf after forward + backward (no scope: [3.0]):", outside_buffer(gradient_checkpoint_scope))
-print("num_batches_tracked after one step | scope:", batchnorm_steps(gradient_checkpoint_scope),
-      "| torch.utils.checkpoint:", batchnorm_steps(contextlib.nullcontext, use_checkpoint=True))
-print("clean:", assert_clean())
-
-# %% tags=["nbval-ignore-output"]
-run_peer("buf", outside_buffer)
-run_peer("num_batches_tracked", batchnorm_steps)
-
-# %% [markdown]
-# ### 5.7 A replay that cannot reproduce the forward is refused
-#
-# Two ways to get silently wrong gradients, both refused with a `CheckpointError`: an outside tensor
-# read in the scope and modified in place before backward (`add` saves nothing, so autograd alone
-# would not notice), and a replay whose outputs differ in shape (a change through `.data` bypasses
-# version counters).
-
-# %%
-a, w = leaves((20,), (20,))
-with gradient_checkpoint_scope():
-    h = (a + w).sin()
-loss = h.sum()
-del h
-with torch.no_grad():
-    w.add_(1)
-try:
-    loss.backward()
-except CheckpointError as error:
-    print("CheckpointError:", error)
-del loss
-
-x = leaves((10,))[0]
-m = torch.arange(10.0) - 6.5  # 3 positive entries
-with gradient_checkpoint_scope():
-    y = x[m > 0].sin()  # data-dependent shape
-loss = y.sum()
-del y
-m.data.neg_()  # 7 positive entries now, no version bump
-try:
-    loss.backward()
-except CheckpointError as error:
-    print("CheckpointError:", error)
-del loss
-print("clean:", assert_clean())
-
-# %% [markdown]
-# What the peer cells showed when this notebook was generated, with returnn 1.20261022 (their
-# stored outputs above; nbval does not re-check them):
-#
-# | point | ours | peer |
-# |---|---|---|
-# | 5.1 one scope, then the next hooks | clean | clean in this simple case |
-# | 5.2 `get_var1() * get_var2()`, alive after the product | `[False, False]` | `[True, False]`, hook entry and patched methods left behind |
-# | 5.3 nested, alive after forward | `[False, False]` | `[False, True]`, hook entry left |
-# | 5.4 enclosing hook / `save_on_cpu` | `[a, c, y]` / 2 | `[]` (an ignored `RuntimeError`) / 0 |
-# | 5.5 exception inside | clean | hook entry left |
-# | 5.6 `buf` / `num_batches_tracked` | `[3.0]` / 1 | `[12.0]` / 2: writes replayed in backward |
+compare_chain(residual_stack, 4 * 16 * 32 * 4, loss=lambda h: h.sum())
+_, curve, named = named_timeline(scoped_block, residual_stack, loss=lambda h: h.sum())
+print("scope, alive at its peak (a boundary or more):", *named[curve.index(max(curve))])
 
 # %% [markdown]
 # ## 6. On a GPU
 #
-# The cell below runs on CUDA when a device is there, and on the CPU otherwise; it prints the same
-# lines either way. The bytes come from `LiveMemory` (exact storage sizes); on CUDA they are also
-# checked against the caching allocator's `torch.cuda.memory_allocated`.
+# The cell runs on CUDA when a device is there, else on the CPU, printing the same lines. Bytes come
+# from `LiveMemory`; on CUDA they are checked against `torch.cuda.memory_allocated`.
 
 # %%
 device = "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def gpu_case(scope):
     _ = torch.manual_seed(0)
     a, c = (torch.randn(1024, 1024, device=device, requires_grad=True) for _ in range(2))
@@ -919,125 +607,47 @@ def gpu_case(scope):
         with scope():
             x = F.dropout(a.sin(), 0.5)
         y = x * c
-        before = mem.live_bytes
-        allocated = torch.cuda.memory_allocated() if device == "cuda" else 0
-        del x
-        freed = before - mem.live_bytes
-        if device == "cuda":
-            assert torch.cuda.memory_allocated() - allocated == -freed
+        before, allocated = mem.live_bytes, torch.cuda.memory_allocated() if device == "cuda" else 0
+        del x; freed = before - mem.live_bytes  # noqa: E702
+        assert device == "cpu" or allocated - torch.cuda.memory_allocated() == freed
         y.sum().backward()
     return freed, [*grads(a, c), torch.rand(3, device=device)]
-
-
-plain_freed, plain = gpu_case(contextlib.nullcontext)
-scope_freed, scoped = gpu_case(gradient_checkpoint_scope)
+plain_freed, plain_run = gpu_case(contextlib.nullcontext)
+scope_freed, scope_run = gpu_case(gradient_checkpoint_scope)
 print("bytes freed by `del x` | no scope:", plain_freed, "| scope:", scope_freed)
-print("gradients and the next random numbers equal:", all_equal(plain, scoped))
+print("gradients and the next random numbers equal:", all_equal(plain_run, scope_run))
 print("clean:", assert_clean())
 
 # %% [markdown]
 # What changes on a GPU:
 #
-# * **RNG per device.** The scope captures the CPU generator and the generator of *every* device of
-#   an already initialised accelerator when it opens; it cannot know which device the scope will draw
-#   from. An accelerator first initialised inside the scope is replayed from its freshly seeded
-#   state (`_seeded_states`); like torch's checkpoint, the scope never initialises CUDA itself.
-# * **The caching allocator.** Freed blocks go back to PyTorch's cache, not to the driver:
-#   `memory_allocated` drops when `x` dies (4 MiB here), `memory_reserved` does not. Peak numbers
-#   in the allocator include its rounding to block sizes; `LiveMemory`'s do not.
-# * **Asynchrony.** Kernels are queued on a stream; the Python-side bookkeeping (recording, references,
-#   releasing storages) happens at queue time. The replay runs on the stream backward uses for that
-#   node, so its kernels are ordered with backward's as usual.
-# * **Backward runs in a device thread.** The autograd engine runs CUDA nodes on a worker thread of
-#   its own. A scope tensor that dies there cannot touch the calling thread's hooks stack; and the
-#   engine may drop its graph task (and with it `_AfterBackward`) on that thread. The resident entry
-#   then stays until the owning thread's next safe point (the next scope opened or closed there, or a
-#   scope tensor freed there); until then it merely stores what it is given. See NOTE [ Safe points ]
-#   in `ckpt_lab/scope.py`.
+# * **RNG per device.** The scope captures the generator of the CPU and of *every* initialised
+#   accelerator device; one first initialised inside the scope replays from its fresh seed. Like
+#   torch's checkpoint, it never initialises CUDA.
+# * **The caching allocator.** `memory_allocated` drops when `x` dies (4 MiB here),
+#   `memory_reserved` does not; the allocator's peaks include its rounding to block sizes.
+# * **Backward runs in a device thread.** A scope tensor (or `_AfterBackward`) dying on the engine's
+#   CUDA thread cannot touch the caller's stack: the resident entry stays, merely storing what it is
+#   given, until that thread's next safe point (NOTE [ Safe points ]).
 #
-# Honest status: the outputs stored in this notebook were produced on a CPU. The CUDA branch above
-# and `tests/test_scope.py`'s two CUDA tests are what exercise the GPU path; this notebook's author
-# did not run them on a GPU.
+# Status: the stored outputs come from a CPU; the CUDA path has not run on a GPU yet.
 
 # %% [markdown]
-# ## 7. A memory picture
-#
-# Four residual MLP blocks (`h = h + block(h)`), with no checkpointing, torch's non-reentrant
-# checkpoint per block, and the scope per block. Retained: bytes kept from forward to backward;
-# peak: the most alive at once over forward and backward (gradients of leaves excluded).
-
-# %%
-dim = 32
-
-
-def mlp_stack(wrap):
-    _ = torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) for _ in range(4)]
-    x = torch.randn(4, 16, dim, requires_grad=True)
-
-    def forward():
-        h = x
-        for block in blocks:
-            h = wrap(block, h)
-        return h.sum()
-
-    report = measure_memory(forward)
-    return {"retained": report.retained_bytes, "peak": report.peak_bytes}
-
-
-def scoped_block(block, h):
-    with gradient_checkpoint_scope():
-        return h + block(h)
-
-
-variants = {
-    "no checkpoint": lambda block, h: h + block(h),
-    "torch checkpoint per block": lambda block, h: torch_checkpoint(lambda u: u + block(u), h),
-    "scope per block": scoped_block,
-}
-memory = {name: mlp_stack(wrap) for name, wrap in variants.items()}
-boundary = 4 * 16 * dim * 4
-for name, m in memory.items():
-    print(f"{name:<28} retained {m['retained']:>7,} B   peak {m['peak']:>7,} B")
-scoped, torch_per_block = memory["scope per block"], memory["torch checkpoint per block"]
-print("scope retained == 3 block boundaries + the loss:", scoped["retained"] == 3 * boundary + 4)
-print("scope peak - torch checkpoint peak == one block boundary:",
-      scoped["peak"] - torch_per_block["peak"] == boundary)
-print("clean:", assert_clean())
-
-# %% [markdown]
-# The scope retains exactly what torch's checkpoint retains here, the three block boundaries the next
-# block reads plus the 4-byte loss, about twelve times less than no checkpointing. Its peak is one
-# block boundary above torch's: these numbers do not say which tensor that is, and we leave it as a
-# measured difference rather than guess.
-
-# %%
-fig, (ax_retained, ax_peak) = plt.subplots(1, 2, figsize=(11, 2.6))
-plot_memory_bars(ax_retained, {n: m["retained"] for n, m in memory.items()}, "kept from forward to backward")
-plot_memory_bars(ax_peak, {n: m["peak"] for n, m in memory.items()}, "peak over forward + backward")
-ax_peak.set_yticklabels([])
-fig.tight_layout()
-save_figure(fig, "04_memory")
-plt.close(fig)
-
-# %% [markdown]
-# ![memory](../images/04_memory.png)
-#
 # ## Summary
 #
 # | question | answer | shown by |
 # |---|---|---|
-# | What does a `TorchDispatchMode` see? | post-autograd aten ops, forward and backward: `linear` arrives as `t` + `addmm`, with no `grad_fn` | §1 |
-# | Why record there? | the recording replays without the user's Python code and without autograd | §1 |
+# | What does a `TorchDispatchMode` see; why record there? | post-autograd aten ops, forward and backward (`linear` as `t` + `addmm`), no `grad_fn`: a recording replays without the user's code and without autograd | §1 |
 # | Scope or checkpoint? | the scope names what to recompute; a checkpoint names what to store | §2: 4,000 vs 8,000 bytes, equal gradients |
 # | Why not pop the hooks at `__exit__`? | `x * c` after the block would store `x` | §3 draft 1: 8,000 bytes |
-# | Why not leave them pushed? | the enclosing context pops our entry; its own stays forever, and it was bypassed | §3 draft 2: 0 packs, user hook left active |
-# | How does the package keep its hook? | a resident entry at the bottom, enclosing entries re-pushed wrapped; each `__exit__` pops its own | §3 stack listing |
-# | When is it released? | when the last scope tensor dies; inside backward after it returns (`_AfterBackward`'s death), since the engine restores the stack | §3: popped entry restored by the engine; stack empty after backward |
+# | Why not leave them pushed? | the enclosing context pops ours; its own stays forever, and was bypassed | §3 draft 2: 0 packs, user hook left active |
+# | How does the package keep its hook? | a resident entry at the bottom, enclosing entries wrapped; each `__exit__` pops its own | §3, `images/04_hooks_stack.png` |
+# | When is it released? | when the last scope tensor dies, at a safe point; inside backward, after it returns (`_AfterBackward`'s death) | §3: the engine restores a popped entry; stack empty after backward |
 # | Dropout? | same masks in the replay, the caller's RNG stream untouched | §4: `torch.equal` |
-# | Global state? | none: no patch, no entry; next hooks, checkpoint, `save_on_cpu` work | §5.1 |
-# | returnn#1583, nesting? | every scope tensor freed | §5.2, §5.3 |
-# | Enclosing hooks? | still get every non-scope tensor | §5.4: `[a, c, y]`; 2 of 4 offloaded |
-# | Exceptions, in-place writes, bad replays? | no state left; outside buffers and BatchNorm updated once; `CheckpointError` | §5.5 to §5.7 |
-# | GPU? | per-device RNG of initialised devices, allocator, streams, device-thread release deferred | §6 (verified on CPU here) |
-# | Memory on an MLP stack? | only the block boundaries retained | §7, `images/04_memory.png` |
+# | What does a chain of scoped blocks keep? | one block boundary less than a checkpoint per block: the last output is recomputed | §5: 3 vs 4 boundaries |
+# | Why is its peak higher? | a scope replays all its saved tensors at the first unpack, which comes from the block's consumer, before the block's own backward: they overlap the consumer's backward temporaries. Not two copies of one tensor: each output dies before its copy is born | §5: 10 vs 8 boundaries, `images/04_chain_timeline.png`; residual stack +1 boundary |
+# | GPU? | RNG per initialised device, allocator, streams, release deferred off the device thread | §6 (run on CPU here) |
+#
+# **Next (optional):** [04b · our scope against RETURNN's](04b_scope_appendix_returnn.ipynb) runs the
+# edge cases (several and nested scopes, enclosing hooks, exceptions, in-place writes, bad replays, a
+# scope inside a checkpoint) with both.

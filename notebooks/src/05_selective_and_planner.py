@@ -12,32 +12,35 @@
 # ---
 
 # %% [markdown]
-# # 05 · Choosing what to keep: selective recomputation and an eager memory-budget planner
+# # 05 · Choosing what to keep: selective recomputation and a memory-budget planner
 #
-# Notebooks 02–04 knew two settings: keep every activation (no checkpointing), or keep only a
-# block's inputs and recompute the rest (checkpointing). Between them lies a whole range, because
-# activations are not alike. A matmul's output costs `2·m·k·n` FLOPs to redo and `4·m·n` bytes to
-# keep; a GELU's output costs one FLOP per element and the same bytes; attention's softmax and
-# dropout outputs grow with the square of the sequence length and are among the cheapest to redo.
-# Korthikanti et al. 2022 (arXiv:2205.05198) built on exactly this: recompute only the cheap, large
-# attention intermediates and the recomputation overhead drops by over 90%.
+# **TL;DR.** Activations are not alike: in a transformer block the matmul outputs are a third of
+# the bytes a checkpoint could keep but 98% of the FLOPs it would redo. *Selective activation
+# checkpointing* (**SAC**: torch's name for a non-reentrant checkpoint that asks a *policy*, op by
+# op, whether to keep the op's output) keeps the matmuls and recomputes the rest: 416 KiB kept
+# instead of 994 KiB, for 3% of a plain checkpoint's recomputation. In-place, view and random ops
+# must run again whatever the policy says; torch 2.13's eager SAC gets kept random ops silently
+# wrong. For a byte budget, "what to keep" is a 0/1 knapsack, solved exactly; measured bytes and
+# FLOPs equal the plan's. BatchNorm counts two batches per step under any checkpoint; hooks fix it.
 #
-# This notebook makes the choice per op, in eager mode:
+# **You will be able to** write one SAC policy for torch and `ckpt_lab`, say what runs when under
+# it, plan a stack for a byte budget (`ckpt_lab.planner`), place a strategy on the
+# memory/recompute frontier, and keep BatchNorm's statistics right.
 #
-# 1. What a block is made of: every aten op with the bytes it would keep and the FLOPs it would cost
-# 2. Selective checkpointing: a policy per op, a draft that falls short, then `ckpt_lab.selective`
-# 3. The same policy in torch's SAC: identical gradients, bytes and FLOPs — and one case where
-#    torch's gradients are wrong
-# 4. A memory-budget planner: profile once, solve a knapsack (greedy, and an exact dynamic program
-#    checked by brute force), run the plan, measure it against its prediction
-# 5. The Pareto frontier: none, per block, √N, SAC, the planner, CPU offload; Checkmate and DTR
-# 6. CPU offload as a point on that frontier
-# 7. The BatchNorm pitfall: running statistics updated twice, and a fix
+# | question | section |
+# |---|---|
+# | Which ops of a block hold the bytes, and which the FLOPs? | 1 |
+# | How does a per-op policy decide what to keep, and what runs when? | 2.2 |
+# | Why must in-place, view and random ops run again whatever the policy says? | 2.1, 2.3 |
+# | Do torch's SAC and ours keep the same bytes and FLOPs? Where is torch's wrong? | 2.3, 3 |
+# | Where does selective checkpointing save nothing? | 3.1 |
+# | Given a budget in bytes, what should be kept? Greedy or exact? Checkmate and DTR? | 4 |
+# | Where do none, per-block, √N, SAC, the planner and CPU offload sit on the frontier? | 5 |
+# | What does CPU offload cost instead of recomputation? | 6 |
+# | Why does BatchNorm count two batches per step under checkpointing, and how is it fixed? | 7 |
 #
-# torch's own answer to "fit this budget" (`activation_memory_budget`) exists only under
-# `torch.compile`; here everything runs eagerly and fits in three short modules:
-# `ckpt_lab/selective.py`, `ckpt_lab/planner.py`, `ckpt_lab/batchnorm.py` (plus `ckpt_lab/offload.py`).
-# Numbers printed here are bytes and FLOPs: the same on every machine, and re-checked by nbval.
+# All eager (torch's `activation_memory_budget` exists only under `torch.compile`); every number
+# is bytes or FLOPs, the same on every machine.
 
 # %%
 import functools
@@ -46,53 +49,36 @@ import random
 
 import matplotlib.pyplot as plt
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ckpt_lab import CheckpointError, bench, checkpoint, measure_memory, reentrant_checkpoint
-from ckpt_lab import planner as planner_module
+from ckpt_lab import CheckpointError, bench, checkpoint, measure_memory, planner, reentrant_checkpoint
 from ckpt_lab.batchnorm import skip_stats_update_in_recompute
-from ckpt_lab.bench import pareto as pareto_module
+from ckpt_lab.bench import pareto
 from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.viz import save_figure
 from ckpt_lab.offload import offload_to_cpu
-from ckpt_lab.planner import (
-    CostCounter,
-    budget_range,
-    plan,
-    plan_sequential,
-    profile,
-    profile_sequential,
-    solve,
-    solve_brute_force,
-    solve_dp,
-    solve_greedy,
-)
-from ckpt_lab.selective import SAVE, _SaveMode, _ServeMode, must_rerun, selective_checkpoint
+from ckpt_lab.planner import CostCounter, budget_range, plan_sequential, profile, solve
+from ckpt_lab.selective import _SaveMode, must_rerun, selective_checkpoint
 
-_ = torch.manual_seed(0)
 print("torch", torch.__version__)
 
-MiB = 2**20
 
-
+# %%
 def torch_sac(function, *args, policy):
-    """torch's selective checkpointing, use_reentrant spelled out."""
+    """torch's selective checkpointing (SAC), use_reentrant spelled out."""
     context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
     return torch_checkpoint(function, *args, use_reentrant=False, context_fn=context_fn)
-
-
-def grads_of(forward, leaves, seed=1):
-    """Gradients of forward().square().mean() w.r.t. leaves, dropout seeded the same every time."""
+def grads_of(forward, leaves):
+    """Gradients of forward().square().mean() w.r.t. leaves, dropout drawing the same masks every time."""
     for t in leaves:
         t.grad = None
-    torch.manual_seed(seed)
+    torch.manual_seed(1)
     forward().square().mean().backward()
     return [t.grad.clone() for t in leaves]
-
-
 def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
@@ -100,248 +86,258 @@ def same(a, b):
 # %% [markdown]
 # ## 1 · What a transformer block is made of
 #
-# A small `nn.TransformerEncoderLayer` (d_model 64, 4 heads, feed-forward 256, dropout 0.1) on a
-# batch of 4 sequences of 32 tokens. `planner.profile` runs it once under a `TorchDispatchMode`
-# and notes, for each aten op below autograd, the bytes of *new* memory its output owns (views and
-# in-place ops own none), what it costs to compute again (torch's FLOP count for matmuls, one per
-# element for everything else), and whether a recomputation would have to run it anyway.
+# A small `nn.TransformerEncoderLayer` (d_model 64, 4 heads, feed-forward 256, dropout 0.1; 4
+# sequences of 32 tokens). `planner.profile` runs it once under a `TorchDispatchMode` and notes,
+# per aten op, the bytes of *new* memory its output owns and its cost to compute again (torch's
+# FLOPs for matmuls, one per element otherwise). A *candidate* is an op a policy can really
+# choose: not a view, not in place, not random, not filled in place later.
 
 # %%
 torch.manual_seed(0)
 block = nn.TransformerEncoderLayer(64, 4, dim_feedforward=256, dropout=0.1, batch_first=True).train()
 x = torch.randn(4, 32, 64, requires_grad=True)
 leaves = [x, *block.parameters()]
-
 prof = profile(block, x)
-print(f"{len(prof.ops)} ops; the block's input is {prof.input_bytes} bytes")
-print(f"{'#':>3} {'op':<22} {'bytes':>8} {'FLOPs':>10}  note")
-for r in prof.ops:
-    note = "runs again anyway" if r.rerun else "filled in place later" if r.mutated else ""
-    if r.nbytes or r.cost:
-        print(f"{r.index:>3} {r.op.overloadpacket.__name__:<22} {r.nbytes:>8} {int(r.cost):>10}  {note}")
-
-# %% [markdown]
-# Where the bytes are, and where the FLOPs are, among the ops a policy can actually choose
-# (`candidate`: not a view, not in place, not random, not filled in place later, and reached by a
-# recomputation):
+shown, cands = [r for r in prof.ops if r.nbytes or r.cost], prof.candidates
+mms = [r for r in cands if r.op.overloadpacket.__name__ in ("mm", "addmm", "bmm")]
+kind = {r.index: "other candidate" for r in cands} | {r.index: "matmul" for r in mms}
+cb, cc = sum(r.nbytes for r in cands), sum(r.cost for r in cands)
+print(f"{len(prof.ops)} ops, {len(shown)} own bytes or cost FLOPs, {len(cands)} are candidates ({cb} bytes, "
+      f"{cc:.0f} FLOPs); matmuls: {sum(r.nbytes for r in mms) / cb:.0%} of those bytes, "
+      f"{sum(r.cost for r in mms) / cc:.0%} of those FLOPs; block input {prof.input_bytes} bytes")
 
 # %%
-cands = prof.candidates
-by_kind = {}
-for r in cands:
-    kind = "matmul" if r.op.overloadpacket.__name__ in ("mm", "addmm", "bmm", "baddbmm") else "other"
-    b, c = by_kind.get(kind, (0, 0))
-    by_kind[kind] = (b + r.nbytes, c + r.cost)
-total_b = sum(b for b, _ in by_kind.values())
-total_c = sum(c for _, c in by_kind.values())
-for kind, (b, c) in by_kind.items():
-    print(f"{kind:>6}: {b / total_b:.0%} of the bytes, {c / total_c:.0%} of the recompute FLOPs")
+fig, (ax_b, ax_c) = plt.subplots(2, 1, figsize=(12, 5.5), sharex=True)
+KINDS = {"matmul": "tab:red", "other candidate": "tab:blue", "runs again anyway": "tab:gray"}
+for name, colour in KINDS.items():
+    ops = [(i, r) for i, r in enumerate(shown) if kind.get(r.index, "runs again anyway") == name]
+    ax_b.bar([i for i, _ in ops], [r.nbytes / 1024 for _, r in ops], color=colour, label=name)
+    ax_c.bar([i for i, _ in ops], [r.cost / 1e6 for _, r in ops], color=colour)
+ax_b.set(ylabel="output KiB (to keep)", title="one TransformerEncoderLayer, op by op in forward order")
+ax_c.set_ylabel("MFLOPs (to recompute)")
+ax_c.set_xticks(range(len(shown)), [f"{r.index} {r.op.overloadpacket.__name__}" for r in shown], rotation=90)
+ax_b.legend(loc="upper left", fontsize=8)
+save_figure(fig, "05_ops")
+plt.show()
 
 # %% [markdown]
-# Matmuls are about a third of the bytes but nearly all of the FLOPs: keep those, recompute the
-# rest, and most of the recomputation is gone for a third of the memory. That is the idea behind
-# "save the matmuls" policies (torch's SAC examples, torchtitan's `op_sac`). A planner goes further
-# and weighs every op (section 4).
+# Red bars: a third of the candidate bytes, nearly all of the FLOPs. Keep those, recompute the
+# rest, and most of the recomputation is gone for a third of the memory: the "save the matmuls"
+# policies of torch's SAC examples and torchtitan, and Korthikanti et al. 2022 (arXiv:2205.05198),
+# who recompute only attention's large, cheap intermediates and cut the overhead by over 90%. The
+# grey ops (dropout's `empty_like`, `bernoulli_`, `div_`) run again whatever a policy says.
 #
 # ## 2 · Selective checkpointing
 #
-# The non-reentrant checkpoint of notebook 03 keeps handles, not tensors, and its recomputation
-# fills them. To keep *some* outputs we need to see each op, so: a `TorchDispatchMode` in the
-# forward that asks a policy about each op and caches the outputs it wants; a second one in the
-# recomputation that serves cached outputs instead of running their ops.
+# To keep *some* outputs we must see each op: a `TorchDispatchMode` in the forward asks a policy
+# about each op and caches the outputs it wants; a second one in the recomputation serves them
+# instead of running their ops. `ckpt_lab.checkpoint` (notebook 03b) takes the pair through
+# `context_fn`, as torch's checkpoint does.
 #
-# ### A first draft (it falls short)
-#
-# `DraftSaveMode` keeps what the policy says, `DraftServeMode` serves it back in order. About twenty lines,
-# they show the mechanism; below them are the numbers that show where it breaks.
+# ### 2.1 · A first draft (it falls short)
 
 
 # %%
 class DraftSaveMode(TorchDispatchMode):
-    """DRAFT: cache the outputs of the ops the policy names, in order."""
-
+    """DRAFT, forward: cache the outputs of the ops the policy names, in order."""
     def __init__(self, cache, policy):
         super().__init__()
         self.cache, self.policy = cache, policy
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is not torch.ops.aten.detach.default:
-            self.cache.append(out.detach() if self.policy(func) else None)
+            self.cache.append(out.detach() if self.policy(None, func) else None)
         return out
-
-
 class DraftServeMode(TorchDispatchMode):
-    """DRAFT: in the recomputation, return the cached output instead of running the op."""
-
+    """DRAFT, recomputation: return the cached output instead of running the op."""
     def __init__(self, cache):
         super().__init__()
         self.cache, self.position = cache, itertools.count()
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.detach.default:
             return func(*args, **(kwargs or {}))
         cached = self.cache[next(self.position)]
         return cached.detach() if cached is not None else func(*args, **(kwargs or {}))
-
-
 def draft_selective(function, x, policy):
     cache = []
-    # ckpt_lab.checkpoint takes torch's context_fn: a forward mode and a recompute mode.
     return checkpoint(function, x, context_fn=lambda: (DraftSaveMode(cache, policy), DraftServeMode(cache)))
 
 
 # %% [markdown]
-# With "save the matmuls" it gives the right gradients:
-
-# %%
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
-expected = grads_of(lambda: block(x), leaves)
-print(
-    "draft, save matmuls == no checkpointing:",
-    same(grads_of(lambda: draft_selective(block, x, lambda op: op in MATMULS), leaves), expected),
-)
-
-# %% [markdown]
-# Now a function that draws two random tensors, with a policy that keeps the first one (say,
-# because it is expensive to generate) and recomputes the second:
-
+# "Save the matmuls" on the block works. Two small functions, each with a policy that keeps one
+# op's output: `two_draws` keeps its first random draw and recomputes the second; `in_place` keeps
+# `h.mul_(2)` (return value ignored, as usual: `h` is what the next op uses).
 
 # %%
 def two_draws(v):
     a = v.sin() * torch.rand_like(v)
     return a.cos() * torch.rand_like(v)
-
-
-def first_draw_only():
-    seen = []
-
-    def policy(op):
-        seen.append(op)
-        return op is torch.ops.aten.rand_like.default and seen.count(op) == 1
-
-    return policy
-
-
-v = torch.randn(1000, requires_grad=True)
-plain = grads_of(lambda: two_draws(v), [v])
-draft = grads_of(lambda: draft_selective(two_draws, v, first_draw_only()), [v])
-print("draft, keep first draw == no checkpointing:", same(draft, plain))
-print(f"gradient elements that differ: {(draft[0] != plain[0]).sum().item()} of {v.numel()}")
-
-# %% [markdown]
-# Wrong, silently. The recomputation restores the forward's RNG state, then *skips* the first
-# `rand_like` (it is served from the cache), so the generator is not advanced and the second
-# `rand_like` draws the numbers the first one drew in the forward.
-#
-# The same trap waits for any op that must run for its side effect. An in-place op modifies its
-# input; serve a cached copy instead, and the re-run's input stays unmodified. Here `h.mul_(2)`'s
-# return value is ignored, as it usually is, and `h` is what the next op uses:
-
-
-# %%
 def in_place(v):
     h = v.sin()
     h.mul_(2)
     return h * h
-
-
-def keep_mul_(op):
-    return op.overloadpacket is torch.ops.aten.mul_
-
-
-plain_inplace = grads_of(lambda: in_place(v), [v])
-draft_inplace = grads_of(lambda: draft_selective(in_place, v, keep_mul_), [v])
-print("draft, keep mul_ == no checkpointing:", same(draft_inplace, plain_inplace))
-print(f"gradient elements that differ: {(draft_inplace[0] != plain_inplace[0]).sum().item()} of {v.numel()}")
-
-# %% [markdown]
-# A view must likewise alias the re-run's tensor, not a cached one; and a cached tensor that a
-# later op fills in place (`empty_like` before `bernoulli_` in dropout) is not the op's output any
-# more.
-#
-# ### The package's version
-#
-# `ckpt_lab.selective` asks the policy about every op — with torch's signature
-# `policy(ctx, op, *args, **kwargs)`, so one policy drives both implementations — but three kinds
-# of op run again whatever it answers:
-
-# %%
-show_source(must_rerun)
-
-# %%
-show_source(_SaveMode)
-
-# %%
-show_source(_ServeMode)
-
-# %%
-show_source(selective_checkpoint)
-
-# %% [markdown]
-# The in-place case with the package: `mul_` runs again, whatever the policy says.
-
-# %%
-ours_inplace = grads_of(
-    lambda: selective_checkpoint(in_place, v, policy=lambda ctx, op, *a, **k: keep_mul_(op)), [v]
-)
-print("ckpt_lab.selective_checkpoint, keep mul_ == no checkpointing:", same(ours_inplace, plain_inplace))
-
-# %% [markdown]
-# The same two-draw function, the same policy, now in torch's signature:
-
-
-# %%
-def keep_first_draw():
-    count = itertools.count()
-
+def keep_first(packet):
+    """Policy (torch's signature): keep the first op of this family (True = save), recompute the rest."""
+    seen = []
     def policy(ctx, op, *args, **kwargs):
-        if op is torch.ops.aten.rand_like.default and next(count) == 0:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
+        seen.append(op.overloadpacket)
+        return op.overloadpacket is packet and seen.count(packet) == 1
     return policy
-
-
-ours = grads_of(lambda: selective_checkpoint(two_draws, v, policy=keep_first_draw()), [v])
-theirs = grads_of(lambda: torch_sac(two_draws, v, policy=keep_first_draw()), [v])
-print("ckpt_lab.selective_checkpoint == no checkpointing:", same(ours, plain))
-print(f"torch {torch.__version__} SAC == no checkpointing:", same(theirs, plain))
+MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default]
+expected = grads_of(lambda: block(x), leaves)
+matmul_draft = grads_of(lambda: draft_selective(block, x, lambda ctx, op: op in MATMULS), leaves)
+print("draft, block, keep matmuls == no checkpointing:", same(matmul_draft, expected))
+v = torch.randn(1000, requires_grad=True)
+for fn, packet in ((two_draws, torch.ops.aten.rand_like), (in_place, torch.ops.aten.mul_)):
+    plain = grads_of(lambda fn=fn: fn(v), [v])
+    draft = grads_of(lambda fn=fn, packet=packet: draft_selective(fn, v, keep_first(packet)), [v])
+    print(f"draft, {fn.__name__}, keep {packet.__name__} == no checkpointing: {same(draft, plain)}", end="")
+    print(f" ({(draft[0] != plain[0]).sum().item()} of 1000 differ)")
 
 # %% [markdown]
-# torch's eager SAC serves the first draw from its cache and has the same problem as the draft: the
-# gradients differ, without an error or a warning. (torch's compiled memory-budget partitioner has
-# a bug of the same family, pytorch/pytorch#190758.) A policy that keeps random ops is unusual —
-# torch's own examples keep matmuls — but nothing stops one, and `tests/test_selective.py` pins
-# both behaviours.
+# Wrong, silently, in every element:
+#
+# * **Random ops.** The recomputation restores the forward's RNG state, then *skips* the first
+#   `rand_like` (served), so the second draws what the first drew in the forward.
+# * **In-place ops.** Serve a cached copy instead of running `mul_`, and the re-run's `h` is never
+#   doubled.
+# * **Views** must alias the re-run's tensors; and a cached tensor that a later op fills in place
+#   (`empty_like` before `bernoulli_`) is no longer the op's output.
+#
+# ### 2.2 · The package's version, and what runs when
+#
+# `ckpt_lab.selective_checkpoint` asks the policy about every op, with torch's signature
+# `policy(ctx, op, *args, **kwargs)` (one policy drives both implementations), but runs three
+# kinds of op again whatever it answers:
+
+# %%
+show_source(must_rerun, start="if op._schema")
+
+# %% [markdown]
+# The forward mode keeps a detached alias of what the policy saves, unless `must_rerun` says no:
+
+# %%
+show_source(_SaveMode, start="answer = self.cache.policy", stop="return out")
+
+# %% [markdown]
+# Hidden here: the ops torch's SAC skips too (`detach`, metadata queries) are not asked about, and
+# entries that a later in-place op changed are dropped when the forward ends. The recomputation
+# mode (`_ServeMode`) checks that each op is the one the forward ran at that position (appendix
+# A), then pops and returns the cached entry instead of running the op, or runs it if there is
+# none; backward then frees a served tensor after use, as it frees a recomputed one.
+#
+# **What runs when.** A small MLP block (`mm`, `gelu`, dropout, `mm`), a policy that keeps the
+# first `mm` and notes when it is asked, and a `TorchDispatchMode` *outside* the checkpoint that
+# logs every op that really runs (a served op never reaches it) with its phase:
+
+# %%
+PHASE = {(True, False): "forward", (True, True): "recompute", (False, True): "backward"}
+class Trace(TorchDispatchMode):
+    """Every aten op that really runs, with its phase (ops outside the block and backward: not logged)."""
+    events, in_block = [], False
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        phase = PHASE.get((self.in_block, torch._C._current_graph_task_id() != -1))
+        if phase and func not in SAC_IGNORED_OPS:
+            self.events.append((phase, func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+trace, asked = Trace(), []
+torch.manual_seed(0)
+w1, w2, h0 = (torch.randn(*shape, requires_grad=True) for shape in ((16, 64), (64, 16), (8, 16)))
+def mlp_block(h):
+    trace.in_block = True
+    try:
+        return F.dropout(F.gelu(h @ w1), 0.1, training=True) @ w2
+    finally:  # also when the recomputation stops early (by raising)
+        trace.in_block = False
+def save_first_mm(ctx, op, *args, **kwargs):
+    asked.append("backward" if torch._C._current_graph_task_id() != -1 else "forward")
+    return op is torch.ops.aten.mm.default and len(asked) == 1  # the block's first op
+with trace:
+    selective_checkpoint(mlp_block, h0, policy=save_first_mm).sum().backward()
+
+# %%
+forward = [name for phase, name in trace.events if phase == "forward"]
+recomputed = [name for phase, name in trace.events if phase == "recompute"]
+# The recomputation serves op 0 (kept), re-runs the next ops in order, and never reaches the rest.
+assert recomputed == forward[1 : 1 + len(recomputed)]
+fate = ["served"] + ["re-run"] * len(recomputed) + ["not re-run"] * (len(forward) - 1 - len(recomputed))
+print(f"1. forward: {' '.join(forward)}  (the first mm kept by the policy)")
+print(f"   policy asked: {asked.count('forward')} times in forward, {asked.count('backward')} in backward")
+print(f"2. backward, recomputation: {' '.join(f'{n}[{f}]' for n, f in zip(forward, fate, strict=True))}")
+print(f"3. backward, gradients: {' '.join(name for phase, name in trace.events if phase == 'backward')}")
+
+# %%
+LANE = {"forward": 2, "recompute": 1, "backward": 0}
+COLOUR = {"kept": "tab:red", "forward": "tab:blue", "re-run": "tab:orange", "backward": "tab:blue"}
+boxes = []  # (lane, op, what happened) in time order; the recomputation drawn op by op against the forward
+for n, (phase, name) in enumerate(trace.events):
+    if phase != "recompute":
+        boxes.append((phase, name, "kept" if n == 0 else phase))
+    elif trace.events[n - 1][0] != "recompute":
+        boxes += [("recompute", op, f) for op, f in zip(forward, fate, strict=True)]
+fig, ax = plt.subplots(figsize=(12, 2.8))
+for t, (lane, name, what) in enumerate(boxes):
+    ran = what in COLOUR
+    ax.bar(t, 0.8, bottom=LANE[lane] - 0.4, color=COLOUR.get(what, "w"), ec="k", ls="-" if ran else "--")
+    ax.text(t, LANE[lane], name if ran else f"{name}\n{what}", rotation=90, ha="center", va="center", size=7)
+ax.set_xlabel("time (op by op)")
+ax.set_yticks([2, 1, 0], ["forward:\npolicy decides", "backward:\nre-run the block", "backward:\ngradients"])
+ax.set_title("keep the first mm: red = kept in forward, orange = recomputed in backward, dashed = not run")
+save_figure(fig, "05_what_runs_when")
+plt.show()
+
+# %% [markdown]
+# What runs when, read off the log:
+#
+# 1. **Forward.** Every op runs once; the policy is asked about each (7 times) and keeps the first
+#    `mm`'s output (red). The checkpoint also keeps the block's input.
+# 2. **Backward reaches the block.** The first unpack starts one recomputation: the kept `mm` is
+#    *served* (nothing runs), `gelu` and dropout *run again* (orange). The policy is not asked
+#    again (torch's SAC likewise: `ctx.is_recompute` is always False in 2.13). The last `mm` never
+#    runs: nothing backward needs comes from it, and the recomputation stops early once every saved
+#    tensor is filled (notebook 03b).
+# 3. **Gradients.** `gelu_backward` and the matmul gradients use the served and recomputed
+#    tensors, which are freed as they are used.
+#
+# ### 2.3 · The two failing cases, with the package and with torch's SAC (same policies)
+
+
+# %%
+for fn, packet in ((two_draws, torch.ops.aten.rand_like), (in_place, torch.ops.aten.mul_)):
+    plain = grads_of(lambda fn=fn: fn(v), [v])
+    for name, sac in (("ckpt_lab.selective_checkpoint", selective_checkpoint), ("torch SAC", torch_sac)):
+        try:
+            got = grads_of(lambda fn=fn, packet=packet, sac=sac: sac(fn, v, policy=keep_first(packet)), [v])
+            print(f"{fn.__name__}, keep {packet.__name__}, {name:<29} == no checkpointing:", same(got, plain))
+        except RuntimeError as error:
+            print(f"{fn.__name__}, keep {packet.__name__}, {name:<29} raises RuntimeError: {error}")
+
+# %% [markdown]
+# The package is right in both. torch 2.13's eager SAC refuses the in-place case loudly (its cache
+# checks version counters, unless `allow_cache_entry_mutation=True`) but serves the first draw and
+# gets the gradients wrong, with no error or warning. Keeping random ops is unusual, but nothing
+# stops a policy from it; `tests/test_selective.py` pins both behaviours.
 #
 # ## 3 · The same policy, ours and torch's, side by side
 #
-# "Save the matmuls" on the transformer block: gradients, bytes kept between forward and backward,
-# and the FLOPs the recomputation spends (counted with `CostCounter`: the whole step with
-# checkpointing minus the whole step without).
+# "Save the matmuls" on the transformer block: gradients, bytes kept for backward
+# (`measure_memory`'s retained bytes) and FLOPs recomputed (`CostCounter`, the step with
+# checkpointing minus the step without).
 
 # %%
-SAVE_MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default]
-
-
 def step_cost(forward):
     torch.manual_seed(1)
     with CostCounter() as counter:
         forward().square().mean().backward()
     return counter.total
-
-
 def retained(forward):
     torch.manual_seed(1)
     return measure_memory(lambda: forward().square().mean()).retained_bytes
-
-
 runs = {
     "no checkpointing": lambda: block(x),
     "ckpt_lab.checkpoint": lambda: checkpoint(block, x),
-    "torch SAC, save matmuls": lambda: torch_sac(block, x, policy=SAVE_MATMULS),
-    "ckpt_lab SAC, save matmuls": lambda: selective_checkpoint(block, x, policy=SAVE_MATMULS),
+    "torch SAC, save matmuls": lambda: torch_sac(block, x, policy=MATMULS),
+    "ckpt_lab SAC, save matmuls": lambda: selective_checkpoint(block, x, policy=MATMULS),
 }
 base_cost = step_cost(runs["no checkpointing"])
 print(f"{'':<28} {'grads ok':>8} {'retained KiB':>13} {'recompute kFLOPs':>17}")
@@ -351,130 +347,93 @@ for name, run in runs.items():
     ok = same(grads_of(run, leaves), expected)
     print(f"{name:<28} {ok!s:>8} {table[name][0] / 1024:>13.1f} {table[name][1] / 1000:>17.1f}")
 assert table["torch SAC, save matmuls"] == table["ckpt_lab SAC, save matmuls"]
+sac_share = table["ckpt_lab SAC, save matmuls"][1] / table["ckpt_lab.checkpoint"][1]
+print(f"saving the matmuls recomputes {sac_share:.1%} of what the plain checkpoint recomputes")
 
 # %% [markdown]
-# Identical to the byte and to the FLOP. Saving the matmuls costs a fraction of no checkpointing's
-# memory and removes almost all of plain checkpointing's recomputation; what is still recomputed is
-# pointwise work (softmax, ReLU, dropout's mask multiply, layer norm, the residual adds).
+# Identical to the byte and to the FLOP. What is still recomputed is pointwise work (softmax,
+# ReLU, dropout's mask multiply, layer norm, the residual adds).
 #
-# Bad policies get a message that says what to return:
-
-
-# %%
-def forgetful(ctx, op, *args, **kwargs):
-    if op is torch.ops.aten.addmm.default:
-        return SAVE
-    # ... and falls off its end for every other op: None
-
-
-for bad in (forgetful, lambda ctx, op, *a, **k: "save", [torch.ops.aten.mm]):
-    try:
-        selective_checkpoint(block, x, policy=bad)
-    except TypeError as error:
-        print(f"TypeError: {error}\n")
-
-# %% [markdown]
-# And a function that runs different ops when it is recomputed (here: a branch on a call counter)
-# is stopped before it can hand backward a wrong tensor:
+# ### 3.1 · Where selective checkpointing saves nothing
+#
+# A policy chooses among candidates only, and keeping an output costs its bytes whether or not
+# autograd would have saved it. Two cases, measured against no checkpointing:
 
 # %%
-calls = itertools.count()
-
-
-def moody(v):
-    return v.sin().exp() if next(calls) == 0 else v.cos().exp()
-
-
-try:
-    selective_checkpoint(moody, v, policy=[torch.ops.aten.sin.default]).sum().backward()
-except CheckpointError as error:
-    print(f"CheckpointError: {error}")
+save_all = retained(lambda: selective_checkpoint(block, x, policy=lambda ctx, op, *a, **k: True))
+torch.manual_seed(0)
+linears = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
+lin_runs = {
+    "none": lambda: linears(x),
+    "plain checkpoint": lambda: checkpoint(linears, x),
+    "SAC, save matmuls": lambda: selective_checkpoint(linears, x, policy=MATMULS),
+}
+none_kib = table["no checkpointing"][0] / 1024
+print(f"block: policy 'save everything' {save_all / 1024:.1f} KiB, no checkpointing {none_kib:.1f} KiB")
+print("4 Linear layers:", ", ".join(f"{k} {retained(r) / 1024:.1f} KiB" for k, r in lin_runs.items()))
 
 # %% [markdown]
+# * **Saving everything** keeps *more* than no checkpointing (1282 against 994 KiB): outputs
+#   autograd would never save (a `clone`, a residual `add`), and dropout still re-runs.
+# * **A block made only of the ops you keep** (Linear layers, "save the matmuls") keeps every
+#   activation: no checkpointing's 128 KiB, against 32 KiB for the plain checkpoint.
+# * **Ops that run again anyway** (grey in section 1) cannot be kept. And as for any checkpoint
+#   (notebook 02): around the whole model, or around inputs the caller keeps alive, it saves nothing.
+#
 # ## 4 · A memory-budget planner
 #
-# A policy that names op types is a rule of thumb. Given a *budget* — bytes the forward may keep
-# for backward — which outputs should be kept? Keeping op *i* costs `nbytes[i]` and saves
-# `cost[i]` of recomputation, independently of the others (a recomputation runs every op it does
-# not find cached). That is the 0/1 knapsack problem:
+# Given a *budget* (bytes the forward may keep for backward), which outputs should be kept?
+# Keeping op *i* costs `nbytes[i]` and saves `cost[i]` of recomputation, independently of the
+# others (a recomputation runs every op it does not find cached): the 0/1 knapsack problem,
 #
 # maximise $\sum_{i \in S} \mathrm{cost}_i$ subject to $\mathrm{inputs} + \sum_{i \in S} \mathrm{nbytes}_i \le \mathrm{budget}$.
 #
-# Two solvers: the greedy one keeps the best cost per byte first (fast, not always optimal), the
-# dynamic program is exact, and runs in `items × capacity / g` steps where `g` is the greatest
-# common divisor of the sizes.
+# `solve_greedy` keeps the best cost per byte first (fast, not always optimal); `solve_dp` is
+# exact, a dynamic program over bytes counted in units of the sizes' greatest common divisor (so
+# the table stays small). Its core, before the walk back that reads off the choice:
 
 # %%
-show_source(solve_greedy)
-
-# %%
-show_source(solve_dp)
+show_source(planner.solve_dp, start="best = np.zeros", stop="# Walk back")
 
 # %% [markdown]
-# The textbook case where greedy loses: one dense item that leaves no room for two that fill the
-# capacity exactly.
+# The textbook case where greedy loses (one dense item that leaves no room for two that fill the
+# capacity exactly), and the exact program against brute force (every subset) on 300 random
+# problems of up to 12 items (`tests/test_planner.py` runs the same check under hypothesis):
 
 # %%
 items = [("a", 21, 60.0), ("b", 20, 50.0), ("c", 20, 50.0)]
-for solver in (solve_greedy, solve_dp, solve_brute_force):
-    chosen = sorted(solver(items, 40))
-    print(f"{solver.__name__:<18} keeps {chosen}, saves {sum(c for k, _, c in items if k in chosen):.0f}")
-
-# %% [markdown]
-# The dynamic program against brute force (every subset) on 300 random problems of up to 12 items
-# — `tests/test_planner.py` runs the same check under hypothesis:
-
-# %%
+SOLVERS = (planner.solve_greedy, planner.solve_dp, planner.solve_brute_force)
+print(", ".join(f"{s.__name__} keeps {sorted(s(items, 40))}" for s in SOLVERS))
 rng = random.Random(0)
 agree, greedy_worse = 0, 0
 for _ in range(300):
     items = [(i, 4 * 2 ** rng.randint(0, 10), float(rng.randint(0, 1000))) for i in range(rng.randint(1, 12))]
     capacity = rng.randint(0, 8000)
-
-    def value(chosen, items=items):
-        return sum(c for k, _, c in items if k in chosen)
-
-    agree += value(solve_dp(items, capacity)) == value(solve_brute_force(items, capacity))
-    greedy_worse += value(solve_greedy(items, capacity)) < value(solve_dp(items, capacity))
+    value = {s: sum(c for k, _, c in items if k in s(items, capacity)) for s in SOLVERS}
+    agree += value[planner.solve_dp] == value[planner.solve_brute_force]
+    greedy_worse += value[planner.solve_greedy] < value[planner.solve_dp]
 print(f"DP optimal in {agree}/300; greedy below the optimum in {greedy_worse}/300")
 
 # %% [markdown]
 # ### Planning a stack
 #
-# One region per block keeps what per-block checkpointing keeps (each block's input) and bounds the
-# recomputation in backward to one block at a time; the planner then spends the rest of the budget
-# across all blocks at once. `plan_sequential` profiles each block and solves one knapsack.
-# `Plan.__call__` runs it: one `selective_checkpoint` per block, with a policy that keeps the chosen
-# ops *by position* and checks that the block still runs the ops it was profiled with.
-
-# %%
-show_source(planner_module.Plan, start="def __call__", stop="def torch_context_fn")
-
-# %% [markdown]
-# Four transformer blocks, profiled once (`profile_sequential`); budgets from the minimum (the four
-# block inputs: plain checkpointing) up to keeping every candidate (`budget_range`), each solved in
-# milliseconds (`solve`). For each: the plan's predicted memory and recompute FLOPs, and the
-# measured ones.
-# The measured memory is `measure_memory`'s retained bytes, converted to the budget's terms (plus
-# the first input, which it does not count because it was made before the call; minus the output
-# and the loss, which are not activations).
+# One region per block keeps each block's input, as per-block checkpointing does, and bounds the
+# recomputation to one block at a time; the planner spends the rest of the budget across all
+# blocks at once. Calling the `Plan` runs one `selective_checkpoint` per block, with a policy that
+# keeps the chosen ops *by position* and checks that the block still runs the ops it was profiled
+# with. Four transformer blocks, profiled once, planned for five budgets from the minimum (plain
+# checkpointing) to keeping every candidate; each plan is run and measured (bytes in the budget's
+# terms: plus the first input, kept by the checkpoint; minus the output and the 4-byte loss).
 
 # %%
 torch.manual_seed(0)
-blocks = [
-    nn.TransformerEncoderLayer(64, 4, dim_feedforward=256, dropout=0.1, batch_first=True).train()
-    for _ in range(4)
-]
+blocks = [nn.TransformerEncoderLayer(64, 4, 256, 0.1, batch_first=True).train() for _ in range(4)]
 stack_leaves = [x, *(p for b in blocks for p in b.parameters())]
-
-
 def run_stack(v):
     for b in blocks:
         v = b(v)
     return v
-
-
-profiles = profile_sequential(blocks, x)
+profiles = planner.profile_sequential(blocks, x)
 minimum, maximum = budget_range(profiles)
 print(f"minimum budget {minimum / 1024:.0f} KiB (block inputs), everything kept {maximum / 1024:.0f} KiB")
 stack_expected = grads_of(lambda: run_stack(x), stack_leaves)
@@ -482,196 +441,107 @@ with torch.no_grad():
     OUTPUT_BYTES = run_stack(x).nbytes
 stack_base = step_cost(lambda: run_stack(x))
 
-rows = []
-print(
-    f"{'budget KiB':>10} {'method':>7} {'kept ops':>8} {'predicted KiB':>13} {'measured KiB':>12} "
-    f"{'pred. MFLOPs':>12} {'meas. MFLOPs':>12} {'grads':>6}"
-)
+# %%
+plans = {}
+print("budget KiB | dp: kept     KiB  MFLOPs | greedy: kept     KiB  MFLOPs")
 for fraction in (0.0, 0.1, 0.25, 0.5, 1.0):
     budget = int(minimum + fraction * (maximum - minimum))
-    for method in ("dp", "greedy"):
-        p = solve(profiles, budget, method)
-        # measure_memory counts what the forward made and kept: not the first input (made before;
-        # the checkpoint keeps it, so add it), but the final output and the 4-byte loss (take them out).
+    print(f"{budget / 1024:>10.0f}", end="")
+    for method, width in (("dp", 8), ("greedy", 12)):
+        p = plans[method, fraction] = solve(profiles, budget, method)
         measured = retained(lambda p=p: p(x)) + x.nbytes - OUTPUT_BYTES - 4
         cost = step_cost(lambda p=p: p(x)) - stack_base
         ok = same(grads_of(lambda p=p: p(x), stack_leaves), stack_expected)
         assert measured == p.retained_bytes <= budget and cost == p.recompute_cost and ok
-        rows.append((budget, method, p))
-        print(
-            f"{budget / 1024:>10.0f} {method:>7} {len(p.saved_ops):>8} {p.retained_bytes / 1024:>13.1f} "
-            f"{measured / 1024:>12.1f} {p.recompute_cost / 1e6:>12.2f} {cost / 1e6:>12.2f} {ok!s:>6}"
-        )
-
-# %%
-at = {(m, b): p for b, m, p in rows}
-b10 = int(minimum + 0.1 * (maximum - minimum))
-extra = at["greedy", b10].recompute_cost / at["dp", b10].recompute_cost - 1
-print(f"at {b10 / 1024:.0f} KiB the greedy plan recomputes {extra:.1%} more than the optimum")
+        kib, mflops = p.retained_bytes / 1024, p.recompute_cost / 1e6
+        print(f" | {len(p.saved_ops):>{width}} {kib:>7.1f} {mflops:>7.2f}", end="")
+    print()
+print("every plan: measured bytes and FLOPs == predicted, within budget, gradients == no checkpointing")
+extra = plans["greedy", 0.1].recompute_cost / plans["dp", 0.1].recompute_cost - 1
+print(f"at {plans['dp', 0.1].budget / 1024:.0f} KiB greedy recomputes {extra:.1%} more than the exact plan")
 
 # %% [markdown]
-# Every plan stays within its budget, and the measurement equals the prediction to the byte and to
-# the FLOP: the planner's model is exact for what it models. The greedy solver comes close, but not
-# always to the optimum: at 628 KiB it recomputes more than the dynamic program and keeps more ops
-# for the same bytes. The exact program is the default.
-#
-# What did it keep at a quarter of the range?
+# Measured equals predicted, to the byte and the FLOP. The first ~1.2 MiB above plain
+# checkpointing buy back almost all of the recomputation. Greedy is not always optimal (at 628 KiB
+# it recomputes more, keeping more ops in the same bytes); the exact program is the default. What
+# does the plan keep, and does it run under torch's checkpoint (`Plan.torch_context_fn`)?
 
 # %%
-quarter = next(p for b, m, p in rows if m == "dp" and b == int(minimum + 0.25 * (maximum - minimum)))
-print(
-    "block 0 keeps:",
-    [quarter.profiles[0].ops[i].op.overloadpacket.__name__ for i in sorted(quarter.saved[0])],
-)
-
-# %% [markdown]
-# With `cost="time"` the profile times each op (a few repeats) instead of counting FLOPs, so
-# memory-bound ops weigh what they really cost on this machine. Machine-dependent: nbval does not
-# check this cell's output.
-
-# %% tags=["nbval-ignore-output"]
-timed = plan_sequential(blocks, x, budget=quarter.budget, cost="time")
-kept = [timed.profiles[0].ops[i].op.overloadpacket.__name__ for i in sorted(timed.saved[0])]
-print("block 0 keeps (by time):", kept)
-within = timed.retained_bytes <= quarter.budget
-print(f"predicted recomputation: {timed.recompute_cost * 1e3:.2f} ms per step, within budget: {within}")
-
-# %% [markdown]
-# The same plan runs under torch's checkpoint too (`Plan.torch_context_fn`), with the same
-# gradients — the planner is not tied to this project's engine:
-
-
-# %%
+quarter = plans["dp", 0.25]
+names = quarter.profiles[0].ops
+print("block 0 keeps:", [names[i].op.overloadpacket.__name__ for i in sorted(quarter.saved[0])])
 def run_stack_torch(v, p=quarter):
     for i, b in enumerate(blocks):
         v = torch_checkpoint(b, v, use_reentrant=False, context_fn=p.torch_context_fn(i))
     return v
-
-
-print(
-    "torch checkpoint with the plan == no checkpointing:",
-    same(grads_of(lambda: run_stack_torch(x), stack_leaves), stack_expected),
-)
+torch_planned = grads_of(lambda: run_stack_torch(x), stack_leaves)
+print("torch checkpoint with the plan == no checkpointing:", same(torch_planned, stack_expected))
 
 # %% [markdown]
-# Budgets that cannot be met, and plans used for another computation, are refused with the reason:
-
-# %%
-for attempt in (
-    lambda: plan_sequential(blocks, x, budget=minimum - 1),
-    lambda: plan(run_stack, x, budget="1 GB"),
-):
-    try:
-        attempt()
-    except (ValueError, TypeError) as error:
-        print(f"{type(error).__name__}: {error}\n")
-
-blocks[2].eval()  # dropout off in one block: its ops change
-try:
-    quarter(x)
-except CheckpointError as error:
-    print(f"CheckpointError: {error}")
-_ = blocks[2].train()
-
-# %% [markdown]
-# ### What the model leaves out: Checkmate and DTR
+# The matmuls and the layer norm, as a rule of thumb would guess, but chosen by bytes (appendix B
+# plans by measured time instead).
 #
-# * **Retained, not peak.** The budget bounds what is kept *between* forward and backward. During
-#   backward each block's recomputation adds its own tensors on top, one block at a time.
-#   Checkmate (Jain et al., MLSys 2020) models the whole schedule — which tensor is alive at every
-#   step of forward *and* backward — as an integer linear program, and so bounds the true peak; it
-#   is optimal but needs an integer-programming solver. Our knapsack is the special
-#   case "one recomputation per region, everything before the backward".
-# * **Ahead of time, fixed shapes.** The plan is made once, from one profiled run. Dynamic Tensor
-#   Rematerialization (Kirisame et al., ICLR 2021) decides *online*: when memory runs out, it evicts
-#   the tensor with the smallest `cost / (bytes × staleness)` and recomputes it on demand, and it
-#   handles dynamic shapes and control flow. `solve_greedy` is DTR's heuristic without staleness,
-#   applied once. DTR proves an N-layer chain trains in Ω(√N) memory with O(N) operations — the
-#   same bound as Chen et al.'s √N segments (notebook 02).
+# **What the model leaves out.** The budget bounds what is kept *between* forward and backward,
+# not the peak: each block's recomputation adds its tensors on top during backward. Checkmate
+# (Jain et al., MLSys 2020) models every tensor's lifetime over forward *and* backward as an
+# integer linear program and bounds the true peak; our knapsack is its special case "one
+# recomputation per region". And the plan is made once, for fixed shapes; Dynamic Tensor
+# Rematerialization (DTR; Kirisame et al., ICLR 2021) decides *online*, evicting the tensor with
+# the smallest `cost / (bytes × staleness)` when memory runs out. `solve_greedy` is DTR's
+# heuristic without staleness, applied once. DTR trains an N-layer chain in Ω(√N) memory with
+# O(N) operations, the bound of Chen et al.'s √N segments (notebook 02).
 #
 # ## 5 · The Pareto frontier
 #
-# Memory kept against recomputation, for a transformer stack and an MLP stack: no checkpointing,
-# per-block checkpointing, √N segments, "save the matmuls" (ours and torch's, which coincide), the
-# planner at several budgets, and CPU offload. `ckpt_lab.bench.pareto` measures every point the way
-# section 4 did.
-
-# %%
-show_source(pareto_module.measure_points)
-
-# %% [markdown]
-# The two stacks of the benchmark (`python -m ckpt_lab.bench`): four `TransformerEncoderLayer`s
-# (d_model 256, 8 sequences of 128 tokens) and eight Linear(1024) + GELU + Dropout blocks (batch 64).
-# Memory is what is kept between forward and backward, counting the first block's input (the
-# planner's budget terms); recomputation is FLOPs in the planner's cost model, counted during the
-# step. This cell takes about half a minute.
+# The benchmark's two stacks: four `TransformerEncoderLayer`s (d_model 256, 8 × 128 tokens) and
+# eight Linear(1024) + GELU + Dropout blocks (batch 64). `pareto.measure_points` measures each
+# strategy as section 4 did: none, per-block, √N segments, "save the matmuls" (ours and torch's),
+# the planner at six budgets per solver, and CPU offload. About half a minute:
 
 # %%
 workloads = {"transformer-4": bench.transformer(4), "mlp-8": bench.mlp(8)}
-points = {name: pareto_module.measure_points(wl) for name, wl in workloads.items()}
-frontiers = {name: pareto_module.exact_frontier(wl) for name, wl in workloads.items()}
+points = {name: pareto.measure_points(wl) for name, wl in workloads.items()}
+frontiers = {name: pareto.exact_frontier(wl) for name, wl in workloads.items()}
 for name, pts in points.items():
-    print(name)
-    print(pareto_module.table(pts))
-    assert all(p.grads_ok for p in pts)
-    assert all(p.within_budget and p.as_planned for p in pts if p.budget is not None)
-    print()
+    planned = [p for p in pts if p.budget is not None]
+    assert all(p.grads_ok for p in pts) and all(p.within_budget and p.as_planned for p in planned)
+    print(f"{name}: {len(pts)} points, gradients == none; {len(planned)} plans, within budget, as predicted")
 
 # %%
-fig = pareto_module.plot(points, frontiers)
-save_figure(fig, "05_pareto")
+fig = pareto.plot(points, frontiers)
+save_figure(fig, "05_frontier")
 plt.show()
 
 # %%
 for name, pts in points.items():
     by = {p.strategy: p for p in pts}
     sac, block_ckpt, none = by["torch SAC (matmuls)"], by["per-block"], by["none"]
-    print(
-        f"{name}: saving the matmuls keeps {sac.retained_bytes / none.retained_bytes:.0%} of no "
-        f"checkpointing's memory and removes {1 - sac.recompute_flops / block_ckpt.recompute_flops:.1%} "
-        "of per-block checkpointing's recomputation"
-    )
-    # The planner, given exactly what SAC and sqrt(N) keep: on the frontier means it does no better.
+    keeps = sac.retained_bytes / none.retained_bytes
+    removes = 1 - sac.recompute_flops / block_ckpt.recompute_flops
+    print(f"{name}: save matmuls: {keeps:.0%} of none's memory, {removes:.1%} less recompute than per-block")
     planner_profiles = bench.planner_range(workloads[name].blocks, workloads[name].input).profiles
-    for other in (sac, by["sqrt(N)"]):
+    for other in (sac, by["sqrt(N)"]):  # the planner, given exactly the memory SAC and sqrt(N) keep
         best = solve(planner_profiles, other.retained_bytes).recompute_cost
-        print(
-            f"  {other.strategy}: {other.recompute_flops / 1e9:.4f} GFLOP recomputed; the planner with the "
-            f"same memory: {best / 1e9:.4f}"
-        )
+        flops = other.recompute_flops / 1e9
+        print(f"  {other.strategy}: {flops:.4f} GFLOP recomputed; the planner, same memory: {best / 1e9:.4f}")
 
 # %% [markdown]
-# Reading the picture:
+# * **A staircase with a cliff.** On the transformer, the first ~50 MiB above plain checkpointing
+#   buy back almost all of the recomputation: the matmul outputs. "Save the matmuls" (ours and
+#   torch's, on top of each other) sits at the cliff's foot, on the frontier.
+# * **√N segments** is off it: 4 blocks make 2 segments, the last unchecked. It shines on long
+#   chains of equal blocks (notebook 02).
+# * **The planner's top end** is not "no checkpointing": every block stays a checkpoint, so its last
+#   point keeps more (section 3.1). Letting it leave a block unchecked would close the gap. Not built.
+# * **CPU offload**: only the input stays on the device, nothing is recomputed, every saved byte
+#   moves out and back.
 #
-# * **The frontier is a staircase** with a cliff. On the transformer, the first ~50 MiB above
-#   plain checkpointing buy almost all of the recomputation back: that is where the matmul outputs
-#   go. "Save the matmuls" (torch's SAC and ours, on top of each other) sits at the foot of the
-#   cliff, and on the frontier: given the same memory, the planner recomputes no less.
-# * **√N segments** is off the frontier here. With 4 blocks it makes 2 segments and leaves the last
-#   one unchecked; it shines on long chains of equal blocks (notebook 02's 36-layer stack), not on
-#   four large ones, where choosing *inside* the blocks recomputes far less for the same memory.
-# * **The planner's top end** is not "no checkpointing": every block stays a checkpoint, so to
-#   recompute nothing it would have to keep outputs autograd itself would not save (the planner's
-#   last point keeps more memory than no checkpointing and still re-runs dropout and views). The
-#   honest range of this planner is from plain checkpointing to the cliff; letting it also leave a
-#   block unchecked (a multiple-choice knapsack) would close the gap at the top. Not built.
-# * **CPU offload** sits at the bottom left: only the input stays on the device and nothing is
-#   recomputed, for the transfer of every saved byte (the note gives the amount) out and back.
-
-# %% [markdown]
 # ## 6 · CPU offload
 #
-# Instead of recomputing a saved tensor, move it to host memory in the forward and back in backward:
-# no FLOPs, but bytes over the PCIe bus twice (with pinned memory and non-blocking copies the copy
-# can overlap compute). Notebook 03 drafted this hook and read torch's `save_on_cpu`;
-# `ckpt_lab.offload.offload_to_cpu` is the package's version: pinned, non-blocking copies on CUDA,
-# leaves that require grad left where they are (their `AccumulateGrad` node keeps them alive
-# anyway), and byte counts. On this
-# CPU-only machine there is no device memory to free, so `include_cpu_tensors=True` runs the same
-# path as a dry run (CPU → separate CPU buffer → back) to count what would move.
-
-# %%
-show_source(offload_to_cpu, start="def _should_move", stop="def _unpack")
+# Move saved tensors to host memory in the forward and back in backward: no FLOPs, every byte over
+# PCIe twice. `ckpt_lab.offload.offload_to_cpu` is notebook 03's pack/unpack hook with pinned,
+# non-blocking copies on CUDA, byte counts, and parameters left in place (their `AccumulateGrad`
+# node keeps them alive anyway). On this CPU-only machine `include_cpu_tensors=True` is a dry run.
 
 # %%
 torch.manual_seed(0)
@@ -679,136 +549,120 @@ mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Dropout(0.1), nn.Linear(
 u = torch.randn(64, 256, requires_grad=True)
 mlp_leaves = [u, *mlp.parameters()]
 mlp_expected = grads_of(lambda: mlp(u), mlp_leaves)
-
 hooks = offload_to_cpu(include_cpu_tensors=True)
-
-
 def offloaded():
     with hooks:
         return mlp(u)
-
-
 print("gradients with offload == without:", same(grads_of(offloaded, mlp_leaves), mlp_expected))
-print(
-    f"moved to host: {hooks.tensors_moved} tensors, {hooks.bytes_moved / 1024:.0f} KiB; "
-    f"brought back: {hooks.bytes_returned / 1024:.0f} KiB; kept on device: {hooks.tensors_kept} tensors "
-    f"({hooks.bytes_kept / 1024:.0f} KiB: parameters, which stay alive anyway)"
-)
-
-# %%
-# What those bytes would cost over PCIe 4.0 x16 (~25 GB/s each way), out in forward and back in backward.
-PCIE_BYTES_PER_S = 25e9
+print(f"moved to host: {hooks.tensors_moved} tensors, {hooks.bytes_moved / 1024:.0f} KiB; brought back: "
+      f"{hooks.bytes_returned / 1024:.0f} KiB; kept on device: {hooks.tensors_kept} tensors "
+      f"({hooks.bytes_kept / 1024:.0f} KiB: parameters, which stay alive anyway)")
+PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16, about 25 GB/s each way: out in forward, back in backward
 print(f"estimated transfer: {2 * hooks.bytes_moved / PCIE_BYTES_PER_S * 1e6:.0f} µs per step for this MLP")
 
 # %% [markdown]
-# On a GPU those moved bytes leave device memory entirely: the frontier point has the retained
-# memory of checkpointing's minimum and zero recomputation, paid for in transfer time (about
-# `2 × bytes / bandwidth`; at ~25 GB/s per direction on PCIe 4 x16, 1 MiB costs about 80 µs).
-# `tests/test_offload.py` checks on CUDA that `memory_allocated` drops; that test has not run on
-# these machines (no GPU).
+# On a GPU those bytes leave device memory (1 MiB costs about 80 µs of transfer).
+# `tests/test_offload.py` checks on CUDA that `memory_allocated` drops; it has not run here.
 #
 # ## 7 · The BatchNorm pitfall
 #
-# In training mode BatchNorm does two things besides normalising: `num_batches_tracked += 1`, and
-# blending the batch statistics into `running_mean` / `running_var` in place. A checkpoint runs the
-# block twice, so both happen twice:
+# In training mode BatchNorm also does `num_batches_tracked += 1` and blends the batch statistics
+# into `running_mean` / `running_var` in place. A checkpoint runs the block twice, so both happen
+# twice. One step under each checkpoint, without and with the fix:
 
 
 # %%
-def bn_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 8)).train()
-
-
 def one_step(wrap, fix=False):
-    model = bn_model()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 8)).train()
     hooks = skip_stats_update_in_recompute(model) if fix else None
     torch.manual_seed(1)
-    w = torch.randn(16, 32, requires_grad=True)
-    wrap(model, w).square().mean().backward()
-    if hooks is not None:
-        hooks.remove()
+    wrap(model, torch.randn(16, 32, requires_grad=True)).square().mean().backward()
+    _ = hooks and hooks.remove()
     bn = model[1]
     return bn.num_batches_tracked.item(), bn.running_mean.clone(), [p.grad for p in model.parameters()]
-
-
 variants = {
     "no checkpointing": lambda m, w: m(w),
     "torch reentrant": lambda m, w: torch_checkpoint(m, w, use_reentrant=True),
     "torch non-reentrant": lambda m, w: torch_checkpoint(m, w, use_reentrant=False),
-    "ckpt_lab.reentrant_checkpoint": lambda m, w: reentrant_checkpoint(m, w),
-    "ckpt_lab.checkpoint": lambda m, w: checkpoint(m, w),
+    "ckpt_lab.reentrant_checkpoint": reentrant_checkpoint,
+    "ckpt_lab.checkpoint": checkpoint,
 }
 ref_count, ref_mean, ref_grads = one_step(variants["no checkpointing"])
-print(
-    f"{'':<30} {'batches':>7} {'mean / plain':>12} {'grads ok':>8} | "
-    f"fixed: {'batches':>7} {'mean ok':>7} {'grads ok':>8}"
-)
+print(f"{'':<30} batches mean / plain grads ok | fixed: batches mean ok grads ok")
 for name, wrap in variants.items():
     count, mean, grads = one_step(wrap)
     fixed_count, fixed_mean, fixed_grads = one_step(wrap, fix=True)
-    # The running mean starts at 0, so each update moves it by a fixed fraction of the batch mean.
-    ratio = (mean / ref_mean).mean().item()
-    print(
-        f"{name:<30} {count:>7} {ratio:>12.2f} {same(grads, ref_grads)!s:>8} | "
-        f"{fixed_count:>14} {torch.equal(fixed_mean, ref_mean)!s:>7} {same(fixed_grads, ref_grads)!s:>8}"
-    )
+    ratio = (mean / ref_mean).mean().item()  # the running mean starts at 0; each update: 0.1 of the gap
+    print(f"{name:<30} {count:>7} {ratio:>12.2f} {same(grads, ref_grads)!s:>8} | "
+          f"{fixed_count:>14} {torch.equal(fixed_mean, ref_mean)!s:>7} {same(fixed_grads, ref_grads)!s:>8}")
 
 # %% [markdown]
 # Every checkpoint counts two batches and moves the running mean 1.9 times as far (0.1 of the batch
-# mean, then 0.1 more of what is left: 0.19); the gradients are unaffected (training mode normalises with the batch's own statistics), so nothing fails — the
-# model just evaluates worse later. `skip_stats_update_in_recompute` hooks every BatchNorm module:
-# a forward that runs *inside backward* is a recomputation, and for its duration the module's
-# buffers are swapped for scratch copies.
+# mean, then 0.1 more of what is left). The gradients are unaffected, so nothing fails; the model
+# just evaluates worse. `skip_stats_update_in_recompute` treats a forward *inside backward* as a
+# recomputation and swaps the module's buffers for scratch copies for its duration (a post-hook,
+# registered with `always_call=True`, puts them back even when the recomputation stops early by
+# raising):
 
 # %%
-show_source(skip_stats_update_in_recompute)
+show_source(skip_stats_update_in_recompute, start="def pre_hook", stop="def post_hook")
 
 # %% [markdown]
-# Why not simply switch `track_running_stats` off during the recomputation? It would give the same
-# output, but `native_batch_norm` saves the running statistics for backward when it receives them,
-# so the recomputation would save two tensors fewer than the forward — and the non-reentrant
-# checkpoints, which match recomputed tensors to saved ones by position, refuse:
-
-
-# %%
-class NaiveFix:
-    """DRAFT: turn track_running_stats off while a forward runs inside backward."""
-
-    def __init__(self, bn):
-        bn.register_forward_pre_hook(self.pre)
-        bn.register_forward_hook(self.post, always_call=True)
-
-    def pre(self, bn, args):
-        if torch._C._current_graph_task_id() != -1:
-            bn.track_running_stats = False
-
-    def post(self, bn, args, out):
-        bn.track_running_stats = True
-
-
-model = bn_model()
-NaiveFix(model[1])
-w = torch.randn(16, 32, requires_grad=True)
-try:
-    checkpoint(model, w).sum().backward()
-except CheckpointError as error:
-    print(f"CheckpointError: {str(error)[:160]}...")
-
-# %% [markdown]
-# `gradient_checkpoint_scope` (notebook 04) needs no fix: it replays aten ops, not modules, and
-# already redirects in-place writes to tensors from outside the scope (the running statistics)
-# into copies (`tests/test_batchnorm.py` measures `num_batches_tracked == 1` under the scope).
+# Why not `track_running_stats = False` instead? `native_batch_norm` then saves two tensors fewer
+# than in the forward, and the non-reentrant checkpoints, which match saved tensors by position,
+# refuse (`tests/test_batchnorm.py`). `gradient_checkpoint_scope` (notebook 04) needs no fix: it
+# already redirects in-place writes to outside tensors into copies (same test file).
 #
 # ## Summary
 #
-# * A selective policy chooses per op; the engine must still re-run in-place ops, views and random
-#   ops, or the recomputation is not the forward — torch 2.13's eager SAC skips saved random ops
-#   and its gradients are then wrong.
-# * With the same policy, `ckpt_lab.selective_checkpoint` and torch's SAC keep the same bytes and
-#   recompute the same FLOPs.
-# * A budget turns "what to keep" into a 0/1 knapsack. The planner's predictions equal the
-#   measurements; every plan stays within its budget; the exact dynamic program is checked against
-#   brute force.
-# * CPU offload trades recomputation for transfers; BatchNorm needs its statistics protected from
-#   the recomputation.
+# | question | answer | where |
+# |---|---|---|
+# | Where are a block's bytes and FLOPs? | matmuls: 31% of candidate bytes, 98% of FLOPs | §1 |
+# | What runs when under SAC? | policy per op, in forward only; backward re-runs the block, serving kept outputs, stopping early | §2.2 |
+# | What runs again whatever the policy says? | in-place, view, random ops; torch 2.13's SAC gets kept random ops wrong | §2.1, §2.3 |
+# | Ours and torch's SAC? | same bytes (416 KiB) and FLOPs; 3% of plain checkpointing's recompute | §3 |
+# | Where does SAC save nothing? | keeping everything (1282 > 994 KiB); a block of kept ops only (128 = 128 KiB) | §3.1 |
+# | What to keep for a byte budget? | a 0/1 knapsack, exact DP (greedy 1.9% worse at 628 KiB); measured = predicted | §4 |
+# | Where does each strategy sit? | SAC on the frontier; √N off it for few large blocks; offload at zero recompute | §5 |
+# | What does offload cost? | every saved byte out and back over PCIe, no FLOPs | §6 |
+# | BatchNorm under checkpointing? | two batches per step; `skip_stats_update_in_recompute` makes it one | §7 |
+#
+# ---
+#
+# ## Appendix (optional)
+#
+# ### A · Refusals
+#
+# An overload family as a policy, a function that runs other ops when recomputed, a budget below
+# the minimum, and a plan used for another computation are each refused with the reason:
+
+# %%
+calls = itertools.count()
+def moody(v):
+    return v.sin().exp() if next(calls) == 0 else v.cos().exp()
+blocks[2].eval()  # dropout off in one block: its ops change, and the quarter plan no longer fits
+for attempt in (
+    lambda: selective_checkpoint(block, x, policy=[torch.ops.aten.mm]),
+    lambda: selective_checkpoint(moody, v, policy=[torch.ops.aten.sin.default]).sum().backward(),
+    lambda: plan_sequential(blocks, x, budget=minimum - 1),
+    lambda: quarter(x),
+):
+    try:
+        attempt()
+    except (TypeError, ValueError, CheckpointError) as error:
+        print(f"{type(error).__name__}: {error}\n")
+_ = blocks[2].train()
+
+# %% [markdown]
+# ### B · Planning by measured time
+#
+# With `cost="time"` the profile times each op instead of counting FLOPs. Machine-dependent: nbval
+# does not check this output.
+
+# %% tags=["nbval-ignore-output"]
+timed = plan_sequential(blocks, x, budget=quarter.budget, cost="time")
+kept_by_time = [timed.profiles[0].ops[i].op.overloadpacket.__name__ for i in sorted(timed.saved[0])]
+print("block 0 keeps (by time):", kept_by_time)
+within = timed.retained_bytes <= quarter.budget
+print(f"predicted recomputation: {timed.recompute_cost * 1e3:.2f} ms per step, within budget: {within}")

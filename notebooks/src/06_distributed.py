@@ -12,37 +12,42 @@
 # ---
 
 # %% [markdown]
-# # 06 · Checkpointing at scale: DDP and FSDP with `torch.distributed`, on a CPU
+# # 06 · Checkpointing under DDP and FSDP
 #
-# People who checkpoint activations train on more than one device, and that is where the best-known
-# failures of checkpointing show up. The most famous one, seen in countless issues:
+# **TL;DR.** Checkpointing does not change what `DistributedDataParallel` (DDP) or FSDP compute:
+# with each of five checkpoints (torch's two, and notebooks 02–04's three), DDP trains bitwise like
+# DDP without checkpointing. But the **reentrant** checkpoint (torch's `use_reentrant=True`, which
+# torch 2.13 still picks when you omit the argument, and ours from notebook 02) breaks DDP as soon as `find_unused_parameters=True` is set
+# or a block's weights are used twice: *"Expected to mark a variable ready only once"*. The cause is
+# bookkeeping: DDP insists that each parameter be *marked ready* exactly once per backward, and a
+# reentrant checkpoint hides the block's parameters from the graph and accumulates their gradients
+# in a second, nested backward, so they are marked twice. The fix: the **non-reentrant** checkpoint
+# (`use_reentrant=False`, `ckpt_lab.checkpoint`, the scope), which needs no DDP option at all, or
+# `static_graph=True`. Under FSDP2 (`fully_shard`), `ckpt_lab.checkpoint` goes in through
+# `checkpoint_wrapper` and cuts the activations a rank keeps from 230,400 to 132,096 bytes.
 #
-# > `RuntimeError: Expected to mark a variable ready only once. ... 2) Reused parameters in multiple
-# > reentrant backward passes ... You can try to use _set_static_graph() as a workaround`
+# **You will be able to** read that DDP error and name its cause; pick the fix; wrap blocks with a
+# checkpoint under FSDP2 in the right order; and (appendix) run a small distributed job from a
+# notebook on a CPU. Everything runs on `torch.distributed` with the **gloo** backend: two processes
+# on this machine play two GPUs.
 #
-# This notebook reproduces it, explains it with nothing but what notebooks 01–03 taught (an
-# `autograd.Function`'s node, the nested backward of the reentrant checkpoint), fixes it two ways,
-# and then checkpoints a model sharded with FSDP. It runs on the engine people already use,
-# `torch.distributed`, with the **gloo** backend, so that it works on a CPU-only machine: two
-# processes on this machine play two GPUs.
-#
-# 1. A launcher: processes from a notebook, results back, failures reported, hangs ended
-# 2. DDP with checkpointed blocks: gradients equal a single process's
-# 3. The failure: reentrant checkpoint + `find_unused_parameters=True`, or tied weights
-# 4. Why: what DDP's reducer counts, replayed in one process
-# 5. The fixes: `static_graph=True`, or (better) the non-reentrant checkpoint
-# 6. FSDP (`fully_shard`) with `ckpt_lab.checkpoint`: gradients, and memory per rank
-# 7. What needed a GPU, and what did not
-#
-# Every claim stands on a printed or asserted number (booleans, counts, bytes), and nbval re-checks
-# them. The code lives in `ckpt_lab/distributed.py` (the workers, the model, the replay of DDP's
-# bookkeeping) and `ckpt_lab/helpers/processes.py` (the launcher); the notebook shows it rather than
-# copying it.
+# | question | where |
+# |---|---|
+# | Does checkpointing change what DDP computes? | §1 |
+# | When does the reentrant checkpoint break DDP, and with what error? | §2 |
+# | Why "marked as ready twice", and why not with the non-reentrant checkpoint or the scope? | §3 |
+# | How is it fixed? | §4 |
+# | Why is PyTorch moving checkpointing away from `autograd.Function`? (the forum thread "Tensor.requires_grad in torch.autograd.Function"; one reason, measured) | §3–§4 |
+# | How does `ckpt_lab.checkpoint` plug into FSDP2, and what does it save per rank? | §5 |
+# | What would a GPU change? | §6 |
+# | How can a notebook start distributed workers, and what happens when one fails or hangs? | Appendix (optional) |
 
 # %%
+import warnings
+from collections import Counter
+
 import matplotlib.pyplot as plt
 import torch
-import torch.distributed as dist
 
 from ckpt_lab import distributed
 from ckpt_lab.distributed import (
@@ -56,137 +61,50 @@ from ckpt_lab.distributed import (
     sum_of_ranks,
     trace_parameter_hooks,
 )
-from ckpt_lab.helpers import processes
 from ckpt_lab.helpers.processes import WorkerError, run_workers
 from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, save_figure
 
 _ = torch.manual_seed(0)
-print("torch", torch.__version__, "| gloo available:", dist.is_gloo_available())
+print("torch", torch.__version__)
 
 # %% [markdown]
-# ## 1. A launcher that a notebook can use
+# ## 1. DDP with checkpointed blocks: the same result
 #
-# A distributed job is several processes, one per device ("rank"), that meet in a *process group*
-# and then exchange tensors with collectives (`all_reduce`, `broadcast`, ...). `torchrun` starts
-# them from a shell; from a notebook we start them ourselves. `run_workers(fn, world_size, timeout,
-# **kwargs)` (a notebook helper, `ckpt_lab/helpers/processes.py`, which knows nothing of DDP) starts
-# `world_size` processes, joins them in a gloo group (rank 0 listens on `127.0.0.1` and a free port),
-# runs `fn(rank, world_size, **kwargs)` in each and returns their results in rank order:
-
-# %%
-show_source(run_workers)
-
-# %% [markdown]
-# Three details matter in a notebook:
+# A distributed job is several processes, one per device, each called a **rank**; they meet in a
+# *process group* and exchange tensors with **collectives** (an `all_reduce` sums a tensor over all
+# ranks and gives every rank the total). `run_workers(fn, **kwargs)` starts 2 such processes, runs
+# `fn(rank, world_size, **kwargs)` in each and returns their results in rank order; `fn` must live in
+# a module (here `ckpt_lab.distributed`), never in a notebook cell. How it starts, stops and reports
+# is the optional [Appendix](#Appendix:-the-process-launcher).
 #
-# * **How workers start.** A worker must not inherit the notebook's process (threads, open state,
-#   half-run cells): it starts clean and finds `fn` by module and name, which is why `fn` must live
-#   in a module (`ckpt_lab.distributed`), never in a notebook cell. `spawn` would do, but costs
-#   an `import torch` per worker per call (about 5 s each on this machine). A `forkserver` imports
-#   torch once, then forks clean workers in milliseconds.
-# * **Failures.** A worker's exception is sent to the parent with its traceback, *before* the worker
-#   leaves the group (leaving breaks its peers' connections, and their errors would arrive first).
-#   The parent then stops the other workers, which may be waiting for the failed one forever, and
-#   raises. A deadline covers the whole run: past it, every worker is killed.
-# * **Quiet.** Workers write to the notebook kernel's file descriptors; whatever they print (torch's
-#   warnings, gloo's messages) would land in this page and change from run to run. They capture it
-#   and show it only in an error.
+# **DDP** keeps a full copy of the model on every rank; each rank runs forward and backward on its
+# own slice of the batch, and DDP **averages the gradients** across ranks during backward, so every
+# copy takes the same optimizer step. It learns that a parameter's gradient is ready from a hook on
+# the parameter's gradient accumulator (the `AccumulateGrad` node of notebook 01), and all-reduces
+# gradients in buckets as soon as a bucket is complete, overlapping communication with backward.
 #
-# The smallest collective: each rank contributes its rank number to an `all_reduce` (a sum), and
-# every rank gets the total back. The first call also starts the fork server.
-
-# %%
-show_source(sum_of_ranks)
-
-# %%
-print("2 ranks, each returns:", run_workers(sum_of_ranks, world_size=2))
-print("3 ranks, each returns:", run_workers(sum_of_ranks, world_size=3))
-
-# %% [markdown]
-# Failures must be loud and must not hang. `fail_on_rank` lets rank 1 fail while rank 0 waits for
-# it in a `barrier`, which on its own it would never leave. Three ways to fail: raise, die without
-# a word (as with a segfault or the OOM killer), or hang.
-
-# %%
-show_source(fail_on_rank)
-
-# %% [markdown]
-# And the worker's side of the launcher: join the group, run `fn`, report, always leave the group.
-
-# %%
-show_source(processes._worker_main)
-
-# %%
-def failure_of(how, **options):
-    """Run fail_on_rank; return the exception run_workers raised (None if it returned)."""
-    try:
-        run_workers(fail_on_rank, how=how, **options)
-    except (WorkerError, TimeoutError) as error:
-        return error
-    return None
-
-
-raised = failure_of("raise")
-assert isinstance(raised, WorkerError)
-print("how='raise': WorkerError, cause on rank", raised.rank)
-print("  summary:", raised.failures[raised.rank])
-print("  the parent holds the worker's traceback, which names fail_on_rank:",
-      "in fail_on_rank" in raised.worker_traceback)
-
-died = failure_of("exit")
-assert isinstance(died, WorkerError)
-print("how='exit':  WorkerError, cause on rank", died.rank)
-print("  summary:", died.failures[died.rank])
-
-hung = failure_of("hang", timeout=3)
-assert isinstance(hung, TimeoutError)
-print("how='hang':  TimeoutError:", hung)
-
-# %% [markdown]
-# In each case rank 0, stuck in the barrier, was stopped by the launcher; in the last, both were
-# killed after 3 s. (`tests/test_distributed.py` also checks that the processes are really gone and
-# that each worker destroys its process group, on success and on failure alike.)
+# The model, `TinyNet`: a stem (`Linear`), three residual blocks (`x + tanh(linear(x))`), a head.
+# Each block runs through one of six strategies, named by their labels in the project's registry
+# (`ckpt_lab/strategies.py`; a label is a string, so it travels to the workers):
 #
-# ## 2. DDP with checkpointed blocks
-#
-# `DistributedDataParallel` keeps a full replica of the model on every rank; each rank runs forward
-# and backward on its own slice of the batch, and DDP **averages the gradients** across ranks
-# during backward, so that every replica takes the same optimizer step. It learns that a gradient
-# is ready through a hook on each parameter's gradient accumulator (the `AccumulateGrad` node of
-# notebook 01), and all-reduces gradients in buckets as soon as a bucket is complete, overlapping
-# communication with the rest of backward.
-#
-# The model: a stem, three residual blocks, a head. Each block runs through one of six strategies,
-# named by their labels in the project's one registry of strategies, `ckpt_lab/strategies.py`
-# (the benchmark measures the same entries). A label is a string, so it travels to the workers;
-# each worker looks up the function there. What each label runs per block:
-#
-# | label | the registry's per-block wrapper |
+# | label | what runs per block |
 # |---|---|
 # | `none` | `block(x)` |
 # | `torch reentrant` | `torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)` |
 # | `ckpt_lab.reentrant_checkpoint` | `reentrant_checkpoint(block, x)` (notebook 02) |
 # | `torch non-reentrant` | `torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)` |
-# | `ckpt_lab.checkpoint` | `checkpoint(block, x)` (notebook 03) |
+# | `ckpt_lab.checkpoint` | `checkpoint(block, x)` (notebook 03b) |
 # | `ckpt_lab.gradient_checkpoint_scope` | `with gradient_checkpoint_scope(): block(x)` (notebook 04) |
+#
+# The worker [`ddp_train_steps`](../ckpt_lab/distributed.py) trains 3 SGD steps in float64 under DDP
+# (2 ranks × 4 samples) and checks itself three ways: against one process trained on the whole
+# batch of 8 (for a mean loss, the ranks' average gradient is the whole batch's gradient), bitwise
+# against the same DDP run without checkpointing, and against rank 0's parameters, broadcast to
+# every rank. It returns the verdicts as booleans; an error DDP raises comes back as `error`.
 
 # %%
-show_source(distributed, start="# The strategies notebook 06 runs", stop="class TinyNet")
-
-# %%
-show_source(TinyNet, start="    def forward")
-
-# %% [markdown]
-# The worker trains for 3 SGD steps in float64 under DDP (2 ranks, 4 samples each), and then checks
-# itself against a **single-process reference** trained on the whole batch of 8 (for a mean loss,
-# the average of the ranks' gradients is the gradient of the whole batch). It returns booleans:
-
-# %%
-show_source(ddp_train_steps, start="    x_all, y_all")
-
-# %%
-default_runs = {strategy: run_workers(ddp_train_steps, strategy=strategy) for strategy in STRATEGIES}
+default_runs = {s: run_workers(ddp_train_steps, timeout=120, strategy=s) for s in STRATEGIES}
 print(f"{'strategy':36} {'error':6} {'params=ref':11} {'grads=ref':10} {'bitwise=plain DDP':18} "
       f"{'ranks agree':12} block forwards")
 for strategy, (rank0, rank1) in default_runs.items():
@@ -198,21 +116,20 @@ for strategy, (rank0, rank1) in default_runs.items():
     assert rank0.bitwise_equal_to_no_checkpoint and rank0.ranks_agree
 
 # %% [markdown]
-# Every strategy trains exactly like the single-process reference (to 1e-12 in float64: the sum
-# over ranks adds in another order), and **bitwise** like DDP without checkpointing: recomputation
-# reproduces the forward exactly. The first block ran 6 times in 3 steps under the four
-# checkpoints (once in forward, once in backward's recomputation), 3 times without; the scope
-# replays the block's recorded aten ops instead of calling the module, so its module count stays 3.
+# Every strategy trains like the single-process reference (to 1e-12 in float64: the sum over ranks
+# adds in another order) and **bitwise** like DDP without checkpointing: recomputation reproduces
+# the forward exactly. The first block ran 6 times in 3 steps under the four checkpoints (once in
+# forward, once in backward's recomputation), 3 times without; the scope replays the block's
+# recorded aten ops instead of calling the module, so its module count stays 3.
 #
-# With DDP's default options, even the reentrant checkpoints work here. They stop working with two
-# settings that real models need all the time.
+# With DDP's default options even the reentrant checkpoints work. Two settings that real models
+# need break them.
 #
-# ## 3. The failure
+# ## 2. The failure: "marked as ready twice"
 #
-# * `find_unused_parameters=True`: needed whenever some parameters don't take part in a step
-#   (a mixture-of-experts layer, a frozen branch, a head used every other step). DDP must then find
-#   out, after each forward, which parameters will get no gradient, so that it does not wait for
-#   them.
+# * `find_unused_parameters=True`: needed whenever some parameters take no part in a step (a
+#   mixture-of-experts layer, a frozen branch, a head used every other step). After each forward,
+#   DDP must find out which parameters will get no gradient, so that it does not wait for them.
 # * **tied weights** (`repeat=2`): the same blocks run twice, as in ALBERT or a universal
 #   transformer, so each checkpointed block is called twice per forward.
 
@@ -222,7 +139,7 @@ failing_options = {
     "tied weights": {"repeat": 2},
 }
 runs = {
-    (strategy, label): run_workers(ddp_train_steps, strategy=strategy, **options)
+    (strategy, label): run_workers(ddp_train_steps, timeout=120, strategy=strategy, **options)
     for strategy in STRATEGIES
     for label, options in failing_options.items()
 }
@@ -238,8 +155,9 @@ for strategy in STRATEGIES:
 
 # %% [markdown]
 # Both reentrant checkpoints, torch's and ours, fail in both settings, on both ranks; the three
-# non-reentrant ones train correctly, as does the model without checkpointing. The error (rank 0,
-# torch's reentrant checkpoint with `find_unused_parameters=True`), first and last sentence:
+# non-reentrant strategies train correctly, as does the model without checkpointing. The error
+# (torch's reentrant checkpoint with `find_unused_parameters=True`, rank 0), first and last
+# sentence:
 
 # %%
 message = runs["torch reentrant", "find_unused_parameters=True"][0].error
@@ -250,24 +168,32 @@ print(f"reentrant failures with exactly this message: {sum(same)} of {len(same)}
 assert all(same)
 
 # %% [markdown]
-# "Parameter at index 7 with name blocks.2.linear.bias has been marked as ready twice": the last
-# block's bias, the first checkpointed parameter backward reaches. Why twice?
+# And the failing variant is the one you get when you do not choose: in torch 2.13, `checkpoint`
+# without `use_reentrant` warns, then runs the reentrant `CheckpointFunction`:
+
+# %%
+block = TinyNet().double().blocks[0]
+h = torch.randn(2, 16, dtype=torch.float64, requires_grad=True)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = torch.utils.checkpoint.checkpoint(block, h)  # no use_reentrant: on purpose
+warned = str(caught[0].message).split(": ")[1].split(".")[0]
+print("grad_fn:", type(out.grad_fn).__name__, "| warned:", warned)
+assert type(out.grad_fn).__name__ == "CheckpointFunctionBackward"
+
+# %% [markdown]
+# ## 3. Why: what DDP's reducer counts
 #
-# ## 4. Why: what DDP's reducer counts
-#
-# DDP's reducer keeps one rule: **in every backward, each parameter is marked ready exactly once**.
-# It marks a parameter ready when the hook on its gradient accumulator fires, and, with
-# `find_unused_parameters=True`, it also marks at once (when backward's first hook fires) every
-# parameter that a walk of the autograd graph from the forward's output did not reach, since no
-# gradient will come for those.
+# DDP's *reducer* (the part that buckets and all-reduces gradients) keeps one rule: **in every
+# backward, each parameter is marked ready exactly once**. It marks a parameter ready when the hook
+# on its gradient accumulator fires. With `find_unused_parameters=True` it also walks the autograd
+# graph from the forward's output, and every parameter the walk does not reach is declared unused
+# and marked ready at once when backward's first hook fires, since no gradient will come for it.
 #
 # Now recall notebooks 01 and 02. A reentrant checkpoint is a custom `autograd.Function`; its node
-# in the graph links only to its **tensor inputs** (notebook 01's rule). The block's parameters are
-# not inputs: they are used inside `forward` under `no_grad`, so the graph does not reach them. Its
-# backward recomputes the block with grad on and runs a **nested** `torch.autograd.backward` through
-# that private graph (notebook 02), and *that* is where the parameters' gradients are accumulated
-# and their hooks fire. The graph of our model with torch's reentrant checkpoint, parameters
-# labelled:
+# links only to its **tensor inputs**. The block's parameters are not inputs: they are used inside
+# `forward` under `no_grad`, so the graph does not reach them. The graph of `TinyNet` with torch's
+# reentrant checkpoint, parameters labelled:
 
 # %%
 model = TinyNet(strategy="torch reentrant").double()
@@ -275,87 +201,196 @@ x = torch.randn(2, 4, dtype=torch.float64)
 draw_graph(model(x).sum(), dict(model.named_parameters()), name="06_reentrant_graph_hides_parameters")
 
 # %% [markdown]
-# Three `CheckpointFunctionBackward` nodes, each linked only to the node that made its input, and
-# showing in orange the one tensor it saved: that input. The stem's and head's parameters (blue)
-# hang off the graph; the blocks' six parameters appear nowhere.
-# `trace_parameter_hooks` replays the reducer's bookkeeping in this process, without DDP: for each
-# parameter, whether the walk reaches it, and how often its gradient hook fires, in the outer
-# backward and in nested ones (told apart by the autograd engine's graph-task id):
+# Three `CheckpointFunctionBackward` nodes, each linked only to the node that made its input (in
+# orange, the one tensor each saved: that input). The stem's and head's parameters (blue) hang off
+# the graph; the blocks' six parameters appear nowhere.
+#
+# ### What runs when
+#
+# The node's backward recomputes the block with grad on and runs a **nested** backward through that
+# private graph (notebook 02), and *that* is where the parameters' gradients are accumulated and
+# their hooks fire. The autograd engine runs each call of `backward` as a **graph task** (its record
+# of what to run, with an id: `torch._C._current_graph_task_id()`, -1 outside backward); a backward
+# started inside a node's backward is a new, nested graph task. `what_runs_when` records, in one
+# process and without DDP, each module call (with the grad mode it ran in) and each firing of the
+# hook DDP relies on (`register_post_accumulate_grad_hook`), with its graph task:
 
 # %%
-show_source(trace_parameter_hooks)
+def what_runs_when(strategy, repeat=1):
+    """One forward and backward of TinyNet: (step, module) in order; a parameter's hook firing is
+    reported once per module, as 'hooks, outer backward' or 'hooks, nested backward'."""
+    _ = torch.manual_seed(0)
+    model = TinyNet(strategy=strategy, repeat=repeat).double()
+    task, events = torch._C._current_graph_task_id, []
+    modules = {"stem": model.stem, "head": model.head}
+    modules |= {f"blocks.{i}": b for i, b in enumerate(model.blocks)}
+    for name, module in modules.items():
+        module.register_forward_pre_hook(lambda _m, _a, name=name: events.append(
+            ("recompute" if task() >= 0 else "forward", name, torch.is_grad_enabled(), task())))
+    for name, p in model.named_parameters():
+        module_name = name.removesuffix(".weight").removesuffix(".bias").removesuffix(".linear")
+        p.register_post_accumulate_grad_hook(
+            lambda _p, m=module_name: events.append(("hooks", m, True, task())))
+    out = model(torch.randn(2, 4, dtype=torch.float64))
+    out.register_hook(lambda _g: events.append(("backward starts", "", True, task())))
+    out.sum().backward()
+    outer = next(t for kind, *_, t in events if kind == "backward starts")
+    steps = []
+    for kind, name, grad_on, t in events:
+        if kind == "forward":
+            kind = "forward, grad on" if grad_on else "forward, no grad"
+        elif kind == "hooks":
+            kind = "hooks, outer backward" if t == outer else "hooks, nested backward"
+        if (kind, name) != (steps[-1] if steps else None):  # weight and bias: one step
+            steps.append((kind, name))
+    return steps
+
+
+# %% [markdown]
+# The reentrant checkpoint's schedule, with DDP's marks replayed for `find_unused_parameters=True`
+# (the walk declares the six block parameters unused; each is marked once for that at the first
+# hook, and once more for each hook firing):
+
+# %%
+reentrant_steps = what_runs_when("torch reentrant")
+hooks = trace_parameter_hooks(TinyNet(strategy="torch reentrant").double(), x)
+unused = [h.name for h in hooks if not h.reachable]
+marks, first_error = Counter(), None
+for i, (kind, name) in enumerate(reentrant_steps, 1):
+    note = "inside the checkpoint's forward: the graph keeps its input" if kind.endswith("no grad") else ""
+    if kind.startswith("hooks"):
+        if not marks:
+            marks.update(unused)
+            note = f"DDP marks the {len(unused)} unreached block parameters ready; "
+        params = [p for p, _ in model.named_parameters() if p.startswith(name + ".")]
+        marks.update(params)
+        note += f"marks of {name}.*: {marks[params[0]]}"
+        if marks[params[0]] > 1 and first_error is None:
+            first_error, note = i, note + "  <- DDP raises here"
+    print(f"{i:2}. {kind:23} {name:9} {note}".rstrip())
+assert first_error == 9 and reentrant_steps[first_error - 1] == ("hooks, nested backward", "blocks.2")
+
+# %% [markdown]
+# Step 9 is where DDP raised in §2: the last block's parameters, the first checkpointed ones
+# backward reaches, marked a second time by a hook in a nested backward. The same recording for
+# `ckpt_lab.checkpoint` (non-reentrant, on saved-tensor hooks: notebook 03b) has the same 14 steps
+# in the same order, but the blocks run with grad on in forward, the graph reaches their parameters,
+# and their hooks fire in the outer backward:
+
+# %%
+nonreentrant_steps = what_runs_when("ckpt_lab.checkpoint")
+colors = {"forward, grad on": "tab:blue", "forward, no grad": "lightsteelblue",
+          "backward starts": "lightgrey", "recompute": "tab:orange",
+          "hooks, outer backward": "tab:green", "hooks, nested backward": "tab:red"}
+fig, axes = plt.subplots(1, 2, figsize=(10, 5), sharey=True)
+columns = [("torch reentrant", reentrant_steps), ("ckpt_lab.checkpoint (non-reentrant)", nonreentrant_steps)]
+for ax, (title, steps) in zip(axes, columns, strict=True):
+    for i, (kind, name) in enumerate(steps, 1):
+        ax.barh(i, 1, color=colors[kind], edgecolor="white")
+        mark = "   <- 2nd mark: DDP raises" if steps is reentrant_steps and i == first_error else ""
+        ax.text(0.03, i, f"{i}. {kind}  {name}{mark}", va="center", fontsize=9,
+                color="white" if kind in ("forward, grad on", "hooks, nested backward") else "black")
+    ax.set_title(title)
+    ax.set_xticks([])
+axes[0].invert_yaxis()
+axes[0].set_yticks([])
+fig.suptitle("What runs when: one forward and backward of TinyNet (measured)")
+fig.tight_layout()
+save_figure(fig, "06_what_runs_when")
+plt.show()
+same_order = [n for _, n in reentrant_steps] == [n for _, n in nonreentrant_steps]
+print("steps:", len(reentrant_steps), "and", len(nonreentrant_steps), "| same order:", same_order)
+
+# %% [markdown]
+# ### Marked ready, parameter by parameter
+#
+# `trace_parameter_hooks(model, x)` sums that recording up per parameter: whether the walk reaches
+# it, how often its hook fired in the outer backward and in nested ones. The reducer's count is then
+# one line:
 
 # %%
 show_source(ParameterHooks.ready_marks)
 
+# %% [markdown]
+# Per parameter, in both failing settings, for the reentrant and the non-reentrant checkpoint; the
+# dashed line is the reducer's "exactly once", and each panel's title says what DDP really did in
+# §2:
 
 # %%
-def hooks_table(strategy, repeat=1):
-    """Print what the reducer would see of each parameter, and return the traced hooks."""
+def traced(strategy, repeat=1):
     _ = torch.manual_seed(0)
-    hooks = trace_parameter_hooks(TinyNet(strategy=strategy, repeat=repeat).double(), x)
-    print(f"{strategy}, repeat={repeat}")
-    print(f"  {'parameter':22} {'reachable':10} {'outer':6} {'nested':7} marks: default / find_unused")
-    for h in hooks:
-        print(f"  {h.name:22} {h.reachable!s:10} {h.fired_outer:<6} {h.fired_nested:<7} "
-              f"{h.ready_marks(False)} / {h.ready_marks(True)}")
-    return hooks
+    return trace_parameter_hooks(TinyNet(strategy=strategy, repeat=repeat).double(), x)
 
 
-_ = hooks_table("torch reentrant")
+fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True, sharey=True)
+for row, (label, options) in zip(axes, failing_options.items(), strict=True):
+    for ax, strategy in zip(row, ["torch reentrant", "ckpt_lab.checkpoint"], strict=True):
+        hooks, walk = traced(strategy, options.get("repeat", 1)), options.get("find_unused_parameters", False)
+        left = [0] * len(hooks)
+        for values, color, legend in [
+            ([int(walk and not h.reachable) for h in hooks], "grey", "declared unused by the walk"),
+            ([h.fired_outer for h in hooks], "tab:green", "hook, outer backward"),
+            ([h.fired_nested for h in hooks], "tab:red", "hook, nested backward"),
+        ]:
+            ax.barh([h.name for h in hooks], values, left=left, color=color, label=legend)
+            left = [a + b for a, b in zip(left, values, strict=True)]
+        ax.axvline(1, ls="--", color="black")
+        verdict = "DDP raised" if runs[strategy, label][0].error else "DDP trained"
+        ax.set_title(f"{strategy} · {label}\n{verdict}", fontsize=9)
+axes[0, 0].invert_yaxis()
+axes[1, 0].set_xlabel("times marked ready in one backward")
+axes[1, 0].set_xticks([0, 1, 2])
+axes[0, 1].legend(fontsize=8, loc="lower right")
+fig.tight_layout()
+save_figure(fig, "06_ready_marks")
+plt.show()
 
 # %% [markdown]
-# Read the rows of `blocks.*`: not reachable, so with `find_unused_parameters=True` DDP marks them
-# ready as soon as backward starts; then each one's hook fires in a nested backward: a second mark,
-# and the error. Without `find_unused_parameters` the walk does not happen and one mark is right,
-# which is why section 2 worked. With tied weights, each block is checkpointed twice, so backward
-# runs two nested backwards per block, and each accumulates into the parameter separately: two
-# hook firings, two marks, even without the walk:
+# Top left: the walk marks the blocks' parameters (grey), then a nested backward marks them again
+# (red). Bottom left, tied weights: each block is checkpointed twice, so backward runs two nested
+# backwards per block and each accumulates into the parameter on its own: two hook firings, even
+# without the walk. Right: the non-reentrant checkpoint leaves the graph as a plain forward builds
+# it; every parameter is reachable, and with tied weights autograd *sums* the two incoming gradients
+# before it runs the accumulator once, as for any tensor used twice. The counts behind the picture:
 
 # %%
-_ = hooks_table("torch reentrant", repeat=2)
+print(f"{'strategy':22} {'setting':28} parameters marked != 1 (max marks)")
+for label, options in failing_options.items():
+    for strategy in ["torch reentrant", "ckpt_lab.checkpoint"]:
+        hooks = traced(strategy, options.get("repeat", 1))
+        counts = [h.ready_marks(options.get("find_unused_parameters", False)) for h in hooks]
+        print(f"{strategy:22} {label:28} {sum(c != 1 for c in counts)} of {len(counts)} ({max(counts)})")
 
 # %% [markdown]
-# The non-reentrant checkpoint (saved-tensor hooks, notebook 03) leaves the graph exactly as a plain
-# forward builds it: every parameter is reachable, and with tied weights autograd *sums* the two
-# incoming gradients before it runs the accumulator once, as it does for any tensor used twice.
-# One firing, in the outer backward:
-
-# %%
-_ = hooks_table("ckpt_lab.checkpoint", repeat=2)
-
-# %% [markdown]
-# The replay predicts DDP exactly. For every strategy and setting, "some parameter gets a number of
-# marks other than one" must hold exactly when DDP raised:
+# The replay predicts DDP exactly: for every strategy and setting, "some parameter is marked a
+# number of times other than one" holds exactly when DDP raised.
 
 # %%
 agree = []
 for strategy in STRATEGIES:
     for label, options in {"default": {}, **failing_options}.items():
-        repeat = options.get("repeat", 1)
-        find_unused = options.get("find_unused_parameters", False)
-        _ = torch.manual_seed(0)
-        hooks = trace_parameter_hooks(TinyNet(strategy=strategy, repeat=repeat).double(), x)
-        predicted = any(h.ready_marks(find_unused) != 1 for h in hooks)
+        hooks = traced(strategy, options.get("repeat", 1))
+        predicted = any(h.ready_marks(options.get("find_unused_parameters", False)) != 1 for h in hooks)
         rank0 = default_runs[strategy][0] if label == "default" else runs[strategy, label][0]
         agree.append(predicted == (rank0.error is not None))
 print("configurations:", len(agree), "| prediction == DDP's verdict in all:", all(agree))
 assert all(agree)
 
 # %% [markdown]
-# ## 5. The fixes
+# ## 4. The fixes
 #
-# **`static_graph=True`** tells DDP the graph is the same in every iteration. DDP then does not walk
-# the graph nor mark anything in the first iteration: it *counts* how often each parameter's hook
-# fires, and from the second iteration on it marks a parameter ready when its hook has fired that
-# many times. Two firings for a tied weight are then expected, and an "unused" parameter is one
-# whose hook did not fire in the first iteration, not one the walk missed:
+# **`static_graph=True`** tells DDP the graph is the same in every iteration. DDP then neither walks
+# the graph nor marks anything in the first iteration: it *counts* how often each parameter's hook
+# fires, and from the second iteration on marks a parameter ready when its hook has fired that many
+# times. Two firings for a tied weight are then expected, and an "unused" parameter is one whose hook
+# did not fire in the first iteration, not one the walk missed:
 
 # %%
 lines = [f"{'strategy':32} {'setting':28} {'error':6} {'params=ref':11} grads=ref"]
 for strategy in REENTRANT:
     for label, options in failing_options.items():
-        rank0, rank1 = run_workers(ddp_train_steps, strategy=strategy, static_graph=True, **options)
+        rank0, rank1 = run_workers(ddp_train_steps, timeout=120, strategy=strategy, static_graph=True,
+                                   **options)
         assert rank0 == rank1
         assert rank0.error is None and rank0.params_match_reference and rank0.grads_match_reference
         lines.append(f"{strategy:32} {label:28} {rank0.error is not None!s:6} "
@@ -363,14 +398,14 @@ for strategy in REENTRANT:
 print("\n".join(lines))
 
 # %% [markdown]
-# It works, with conditions: the graph must really be static (no data-dependent control flow over
-# which parameters are used), and the first iteration reduces all gradients at its very end,
-# without overlap. **The non-reentrant checkpoint needs no flag at all** (section 3's table):
-# `ckpt_lab.checkpoint`, torch's `use_reentrant=False` and the scope all keep the ordinary graph.
-# This is one of the reasons PyTorch asks every caller to pass `use_reentrant` explicitly, and
-# recommends `False`.
+# It works, with conditions: the graph must really be static (no data-dependent choice of which
+# parameters are used), and the first iteration reduces all gradients at its very end, without
+# overlap. **The non-reentrant checkpoint needs no flag at all** (§2's table): `ckpt_lab.checkpoint`,
+# torch's `use_reentrant=False` and the scope all keep the ordinary graph. This is one of the
+# reasons PyTorch moved checkpointing away from a custom `autograd.Function`, asks every caller to
+# pass `use_reentrant` explicitly, and recommends `False`.
 #
-# ## 6. FSDP: sharded parameters, checkpointed activations
+# ## 5. FSDP: sharded parameters, checkpointed activations
 #
 # DDP keeps a full copy of the parameters on every rank. FSDP (here the current API,
 # `torch.distributed.fsdp.fully_shard`, "FSDP2") keeps only a **shard** of each parameter per rank,
@@ -380,21 +415,19 @@ print("\n".join(lines))
 # batch, and that is what checkpointing reduces. The two combine:
 
 # %%
-show_source(distributed._shard)
+show_source(distributed._shard, start="    if checkpointed")
 
 # %% [markdown]
 # `checkpoint_wrapper` accepts any `checkpoint_fn(module, *args)`, so `ckpt_lab.checkpoint` goes in
 # unchanged. Order matters: checkpoint inside, shard outside. FSDP's pre-backward hook, which
 # gathers a block's parameters, fires on the block's output gradient, before the checkpoint's
-# recomputation needs them. The worker trains 3 steps (2 ranks × 64 samples, width 64, float64),
-# compares with a single-process reference, then measures one more forward and backward with
-# `measure_memory` (notebook 01's storage-level instrument) on each rank:
+# recomputation needs them. The worker [`fsdp_train_steps`](../ckpt_lab/distributed.py) trains 3
+# steps (2 ranks × 64 samples, width 64, float64), compares with a single-process reference, then
+# measures one more forward with `measure_memory` (notebook 01's storage-level instrument) on each
+# rank:
 
 # %%
-show_source(fsdp_train_steps, start="    model = _shard")
-
-# %%
-fsdp = {flag: run_workers(fsdp_train_steps, checkpointed=flag) for flag in (False, True)}
+fsdp = {flag: run_workers(fsdp_train_steps, timeout=120, checkpointed=flag) for flag in (False, True)}
 print(f"{'':20} {'rank':5} {'params=ref':11} {'grads=ref':10} {'param bytes':>12} {'retained bytes':>15} "
       f"block forwards")
 for checkpointed, results in fsdp.items():
@@ -438,44 +471,96 @@ print("retained per rank, no checkpoint / checkpointed:",
       f"({fsdp[True][0].retained_bytes / fsdp[False][0].retained_bytes:.0%})")
 
 fig, ax = plt.subplots(figsize=(7, 2))
-plot_memory_bars(
-    ax,
-    {
-        "one process, batch 128": single.single_process_retained_bytes,
-        "FSDP rank 0, batch 64": fsdp[False][0].retained_bytes,
-        "FSDP rank 0 + ckpt_lab.checkpoint": fsdp[True][0].retained_bytes,
-    },
-    "activations kept for backward (bytes created in forward, alive at its end)",
-)
+plot_memory_bars(ax, {
+    "one process, batch 128": single.single_process_retained_bytes,
+    "FSDP rank 0, batch 64": fsdp[False][0].retained_bytes,
+    "FSDP rank 0 + ckpt_lab.checkpoint": fsdp[True][0].retained_bytes,
+}, "activations kept for backward (bytes created in forward, alive at its end)")
 save_figure(fig, "06_fsdp_memory_per_rank")
 plt.show()
 
 # %% [markdown]
-# Two notes on what the instrument sees here. FSDP allocates the buffers it gathers parameters into
-# during the first step, before the measured one, and afterwards only resizes their storages, which
-# `LiveMemory` does not count as new memory; and the gathered buffer of a block is freed after its
+# What the instrument sees here: FSDP allocates the buffers it gathers parameters into during the
+# first step, before the measured one, and afterwards only resizes their storages, which
+# `LiveMemory` does not count as new memory; and a block's gathered buffer is freed after its
 # forward, so it is not retained. What remains is activations, which is what we wanted to measure.
 #
-# ## 7. What needed a GPU, and what did not
+# ## 6. What would a GPU change?
 #
 # Nothing in this notebook needed one. Gloo implements every collective that DDP and FSDP2 use here
-# (all-reduce, broadcast, all-gather, reduce-scatter), `fully_shard` accepts a CPU device mesh,
-# and the byte counts above are storage sizes, the same on any device. What a GPU would add, and
-# this notebook leaves out: the NCCL backend (GPUs only, and what real jobs use), the overlap of
-# communication with computation on separate CUDA streams (timings on a shared 2-core CPU would
-# show nothing worth printing), FSDP's mixed precision and parameter offload to the CPU, and
-# allocator-level numbers (`torch.cuda.max_memory_allocated`, which `measure_memory` also reports
-# when it runs on CUDA). None of these changes the bookkeeping that §3–§5 explain: the reducer's
-# rule and the reentrant checkpoint's nested backward are the same on every device.
+# (all-reduce, broadcast, all-gather, reduce-scatter), `fully_shard` accepts a CPU device mesh, and
+# the byte counts above are storage sizes, the same on any device. A GPU would add the NCCL backend
+# (what real jobs use), the overlap of communication with computation on separate CUDA streams,
+# FSDP's mixed precision and parameter offload, and allocator-level numbers
+# (`torch.cuda.max_memory_allocated`, which `measure_memory` also reports on CUDA). None of these
+# changes the bookkeeping of §3–§4: the reducer's rule and the reentrant checkpoint's nested
+# backward are the same on every device.
 #
 # ## Summary
 #
 # | question | answer | shown by |
 # |---|---|---|
-# | Can a notebook start distributed workers? | yes: importable worker functions, a fork server, gloo on `127.0.0.1` | §1 |
-# | Are failures clear? | a worker's exception arrives with its traceback; a silent death and a hang are named; all workers are stopped | §1 |
-# | Does checkpointing change DDP's result? | no: equal to one process on the whole batch, bitwise equal to DDP without checkpointing | §2, 6 strategies |
-# | When does the reentrant checkpoint break DDP? | `find_unused_parameters=True` or tied weights: "marked as ready twice" | §3, torch's and ours |
-# | Why? | its node hides the parameters from DDP's graph walk, and each nested backward fires their hooks again | §4, replayed and matched in 18 of 18 configurations |
-# | The fixes? | `static_graph=True` (DDP learns the counts), or the non-reentrant checkpoint (nothing to fix) | §5 |
-# | FSDP with `ckpt_lab.checkpoint`? | equal to one process; per rank, parameters are halved by sharding and activations cut from 7 to 4 block-sized tensors by checkpointing | §6 |
+# | Does checkpointing change DDP's result? | no: equal to one process on the whole batch, bitwise equal to DDP without checkpointing | §1, 6 strategies |
+# | When does the reentrant checkpoint break DDP? | `find_unused_parameters=True` or tied weights: "marked as ready twice"; torch 2.13 picks it when `use_reentrant` is omitted | §2, torch's and ours, 4 of 4 runs |
+# | Why? | its node hides the block's parameters from DDP's graph walk, and each nested backward fires their hooks again | §3, what runs when; replay matches DDP in 18 of 18 configurations |
+# | Why not the non-reentrant checkpoint or the scope? | the graph is the ordinary one: all parameters reachable, one hook firing each, in the outer backward | §3 |
+# | The fixes? | the non-reentrant checkpoint (nothing to configure), or `static_graph=True` (DDP learns the counts) | §4 |
+# | FSDP2 with `ckpt_lab.checkpoint`? | checkpoint inside, shard outside; equal to one process; per rank, parameters halved by sharding, activations 230,400 → 132,096 bytes | §5 |
+# | Starting workers from a notebook? | importable worker functions, a fork server, gloo on `127.0.0.1`; errors come back with their traceback, hangs are killed | Appendix |
+#
+# ## Appendix: the process launcher
+#
+# *Optional: how `run_workers` (`ckpt_lab/helpers/processes.py`, a notebook helper that knows
+# nothing of DDP) starts processes from a notebook.* It starts `world_size` processes, joins them in
+# a gloo group (rank 0 listens on `127.0.0.1` and a free port), runs `fn(rank, world_size, **kwargs)`
+# in each and returns their results in rank order. Three details matter in a notebook:
+#
+# * **How workers start.** A worker must not inherit the notebook's process (threads, half-run
+#   cells): it starts clean and finds `fn` by module and name, which is why `fn` must live in a
+#   module. `spawn` would do, but costs an `import torch` per worker per call (about 5 s each here);
+#   a `forkserver` imports torch once, then forks clean workers in milliseconds.
+# * **Failures.** A worker's exception is sent to the parent with its traceback *before* the worker
+#   leaves the group (leaving breaks its peers' connections, and their errors would arrive first).
+#   The parent then stops the other workers, which may wait for the failed one forever, and raises.
+# * **Quiet.** Workers write to the notebook kernel's file descriptors; they capture what they print
+#   (torch's warnings, gloo's messages) and show it only in an error.
+#
+# A deadline covers the whole run; the parent's loop, until every rank has reported or one failed:
+
+# %%
+show_source(run_workers, start="while inbox.pending() and not", stop="        if inbox.failures")
+
+# %% [markdown]
+# The smallest collective, `sum_of_ranks`: each rank contributes its rank number to an `all_reduce`,
+# and every rank gets the total back. (The first call of the notebook started the fork server.)
+
+# %%
+print("2 ranks, each returns:", run_workers(sum_of_ranks, world_size=2))
+print("3 ranks, each returns:", run_workers(sum_of_ranks, world_size=3))
+
+# %% [markdown]
+# Failures must be loud and must not hang. `fail_on_rank` lets rank 1 fail while rank 0 waits for
+# it in a `barrier`, which on its own it would never leave, in three ways: raise, die without a
+# word (as with a segfault or the OOM killer), or hang.
+
+# %%
+def failure_of(how, **options):
+    """Run fail_on_rank; return the exception run_workers raised (None if it returned)."""
+    try:
+        run_workers(fail_on_rank, how=how, **options)
+    except (WorkerError, TimeoutError) as error:
+        return error
+    return None
+
+
+raised, died, hung = failure_of("raise"), failure_of("exit"), failure_of("hang", timeout=3)
+assert isinstance(raised, WorkerError) and isinstance(died, WorkerError) and isinstance(hung, TimeoutError)
+print(f"how='raise': WorkerError on rank {raised.rank}: {raised.failures[raised.rank]}")
+print("             traceback names fail_on_rank:", "in fail_on_rank" in raised.worker_traceback)
+print(f"how='exit':  WorkerError on rank {died.rank}: {died.failures[died.rank]}")
+print("how='hang':  TimeoutError:", hung)
+
+# %% [markdown]
+# In each case rank 0, stuck in the barrier, was stopped by the launcher; in the last, both were
+# killed after 3 s. (`tests/test_distributed.py` also checks that the processes are really gone and
+# that each worker destroys its process group, on success and on failure alike.)
