@@ -17,14 +17,10 @@
 # **TL;DR.** Run the block with grad on, so autograd records its usual graph, and change only *what
 # the graph stores*: the pack hook ([notebook 03](03_saved_tensor_hooks.ipynb)) stores an empty
 # handle instead of each tensor; backward's first unpack re-runs the block once, fills every handle
-# still needed, and hands each tensor out once. That is `torch.utils.checkpoint(...,
-# use_reentrant=False)`, and `ckpt_lab.checkpoint`. The graph *is* the plain graph, so frozen inputs,
-# `autograd.grad`, `backward(inputs=...)`, keyword arguments and nesting work, gradients bitwise
-# equal. The re-run stops early and is checked against the forward. An MLP block with dropout keeps
+# still needed, and hands each tensor out once (`use_reentrant=False`, `ckpt_lab.checkpoint`). The
+# graph *is* the plain graph, so frozen inputs, `autograd.grad`, `backward(inputs=...)`, keywords and
+# nesting work, gradients bitwise equal. The re-run stops early and is checked against the forward. An MLP block with dropout keeps
 # 65,540 bytes instead of 851,972, to the byte what torch's keeps.
-#
-# You will be able to read a hook-based checkpoint, draw who owns what, predict what a re-run
-# computes, and say why PyTorch moved checkpointing away from `autograd.Function`.
 #
 # | question | answered in |
 # |---|---|
@@ -267,7 +263,7 @@ Image(png)
 # `CheckpointError` (as for a custom `Function` that reads `ctx.saved_tensors` twice).
 
 # %%
-show_source(_unpack_from_handle, start="def unpack", stop="raise CheckpointError(")
+show_source(_unpack_from_handle, start="def unpack", stop="if task not in handle.recomputed")
 
 # %% [markdown]
 # `_recompute` notes the position `last_needed` of the last live handle, unpacks the inputs, and
@@ -635,17 +631,14 @@ for column in ("retained", "peak", "peak with grads"):
 # * **Gradients** are bitwise equal, dropout included: every checkpoint replays the RNG.
 # * **Kept from forward to backward**: 65,540 bytes (the output, which `square` saves, and the loss)
 #   instead of 851,972: 13 times less.
-# * **Recomputation**: all run the block twice, but the reentrant one computes both `addmm`s again,
-#   the non-reentrant ones only the first: the second `Linear` saves its input and weight *before*
-#   multiplying, so early stop skips the output projection. Selective checkpointing (SAC) recomputes
+# * **Recomputation**: the reentrant one computes both `addmm`s again, the non-reentrant ones only the
+#   first: early stop skips the output projection, whose `Linear` saved its input before multiplying. Selective checkpointing (SAC) recomputes
 #   no `addmm`, for more bytes kept.
 # * **Peak**: one block recomputed in backward needs all its activations back at once, so the
 #   non-reentrant peak equals the un-checkpointed one. The reentrant one goes 65,536 bytes *above*
 #   (131,072 counting gradients): it rebuilds the block's output while the forward's is still alive,
-#   and holds the gradient flowing into the block until its nested backward is over (each 64 × 256
-#   floats). The peak falls only when many blocks are recomputed one at a time (notebook 02's
-#   `checkpoint_sequential`).
-# * `ckpt_lab.checkpoint` and torch's non-reentrant checkpoint agree to the byte (asserted).
+#   and holds the gradient flowing into the block until its nested backward is over. The peak falls
+#   only when many blocks are recomputed one at a time (notebook 02).
 #
 # ## Summary
 #
