@@ -18,7 +18,15 @@ import torch
 
 from ckpt_lab.instruments.counting import OpCounter
 
-__all__ = ["IMAGES", "GraphPicture", "draw_graph", "plot_memory_bars", "plot_timeline", "save_figure"]
+__all__ = [
+    "IMAGES",
+    "GraphPicture",
+    "draw_graph",
+    "plot_memory_bars",
+    "plot_timeline",
+    "save_figure",
+    "save_png",
+]
 
 # The checkout's images/ folder, where `make notebooks` saves the pictures.
 IMAGES = Path(__file__).resolve().parents[2] / "images"
@@ -72,10 +80,16 @@ def draw_graph(
         )
     dot.graph_attr.update(dpi="72")
     png = dot.pipe(format="png")
-    if name is not None and _saving():
+    if name is not None:
+        save_png(png, name)
+    return GraphPicture(png, ops.total)
+
+
+def save_png(png: bytes, name: str) -> None:
+    """Save PNG bytes (a rendered graph) as ``images/name.png`` when regenerating the notebooks."""
+    if _saving():
         IMAGES.mkdir(exist_ok=True)
         (IMAGES / f"{name}.png").write_bytes(png)
-    return GraphPicture(png, ops.total)
 
 
 def save_figure(fig: Any, name: str) -> None:

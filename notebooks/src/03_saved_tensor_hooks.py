@@ -40,7 +40,6 @@
 
 # %%
 import itertools
-import os
 import tempfile
 import warnings
 from contextlib import nullcontext
@@ -54,9 +53,8 @@ from torch import nn
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 
 from ckpt_lab import CallCounter, SavedTensorLog, checkpoint, measure_memory
-from ckpt_lab.helpers import in_checkout
 from ckpt_lab.helpers.show import show_source
-from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, save_figure
+from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, save_figure, save_png
 
 _ = torch.manual_seed(0)
 print("torch", torch.__version__)
@@ -150,8 +148,7 @@ for label, (saved, original) in cases.items():
 def show_dot(dot_source, name):
     """Render DOT to PNG, save it as images/<name>.png when regenerating, and display it."""
     png = graphviz.Source(dot_source).pipe(format="png")
-    if os.environ.get("CKPT_LAB_SAVE_IMAGES") == "1":
-        in_checkout("images", f"{name}.png").write_bytes(png)
+    save_png(png, name)
     return Image(png)
 
 show_dot("""digraph { rankdir=LR; node [shape=box, fontname=Helvetica, fontsize=11];

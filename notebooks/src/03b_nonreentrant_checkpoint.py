@@ -57,7 +57,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from ckpt_lab import CallCounter, CheckpointError, LiveMemory, OpCounter, SavedTensorLog, checkpoint
 from ckpt_lab.helpers.show import show_source
-from ckpt_lab.helpers.viz import IMAGES, _saving, plot_timeline, save_figure
+from ckpt_lab.helpers.viz import plot_timeline, save_figure, save_png
 from ckpt_lab.instruments import measure_memory
 from ckpt_lab.nonreentrant import _pack_to_handle, _recompute, _unpack_from_handle
 from ckpt_lab.reentrant import reentrant_checkpoint
@@ -252,8 +252,7 @@ si [label="_SaveInputs node\\n(saved tensors)"]; out -> nodes [label="grad_fn"];
 sv -> h [label="owns"]; sv -> fr [label="closure"]; fr -> h [style=dashed, label="weak refs"];
 fr -> si [label="saver"]; si -> x; }}"""
 png = graphviz.Source(dot).pipe(format="png")
-if _saving():  # when regenerating the notebook: images/03b_ownership.png
-    (IMAGES / "03b_ownership.png").write_bytes(png)
+save_png(png, "03b_ownership")  # when regenerating the notebook: images/03b_ownership.png
 Image(png)
 
 # %% [markdown]
