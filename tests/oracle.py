@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+# Re-exported: the tests take them from here with the rest.
+from ckpt_lab.helpers.tensors import grads as grads
+from ckpt_lab.helpers.tensors import leaves as leaves
 from ckpt_lab.nonreentrant import checkpoint
 from ckpt_lab.reentrant import reentrant_checkpoint
 
@@ -96,19 +99,6 @@ def assert_all_equal(
 
 
 # ------------------------------------------------------------------------------------------- gradients
-def leaves(*shapes: tuple[int, ...], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """One ``torch.randn`` leaf that requires grad per shape, drawn in order."""
-    return [torch.randn(*shape, dtype=dtype, requires_grad=True) for shape in shapes]
-
-
-def grads(*tensors: torch.Tensor) -> list[torch.Tensor | None]:
-    """Copies of the tensors' ``.grad`` (None where there is none); the ``.grad`` are reset to None."""
-    out = [None if t.grad is None else t.grad.clone() for t in tensors]
-    for t in tensors:
-        t.grad = None
-    return out
-
-
 def output_and_grads(
     run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor], *, seed: int
 ) -> list[torch.Tensor | None]:

@@ -80,6 +80,7 @@ from ckpt_lab import LiveMemory, OpCounter, gradient_checkpoint_scope, measure_m
 from ckpt_lab import checkpoint as ckpt_lab_checkpoint
 from ckpt_lab.bench.workloads import mlp
 from ckpt_lab.helpers.show import show_source
+from ckpt_lab.helpers.tensors import all_equal, grads, leaves
 from ckpt_lab.helpers.viz import save_figure
 from ckpt_lab.instruments.state import assert_no_global_state as assert_clean  # no hooks, modes, patches left
 from ckpt_lab.scope import _PackHook, _restack, _thread
@@ -88,19 +89,6 @@ print("torch", torch.__version__)
 
 # %% [markdown]
 # Helpers, not the lesson (the stack has no public reader: `hooks_stack` pops it and pushes it back).
-
-# %%
-def leaves(*shapes):
-    return [torch.randn(*shape, requires_grad=True) for shape in shapes]
-
-def grads(*tensors):  # the gradients, cleared for the next run
-    out = [None if t.grad is None else t.grad.clone() for t in tensors]
-    for t in tensors:
-        t.grad = None
-    return out
-
-def all_equal(xs, ys):
-    return all(torch.equal(x, y) for x, y in zip(xs, ys, strict=True))
 
 # %%
 def top_hooks():

@@ -61,6 +61,7 @@ from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 import ckpt_lab.scope as scope_module
 from ckpt_lab import CheckpointError, gradient_checkpoint_scope
 from ckpt_lab import checkpoint as ckpt_lab_checkpoint
+from ckpt_lab.helpers.tensors import all_equal, grads, leaves
 from ckpt_lab.instruments.state import assert_no_global_state as assert_clean
 
 _ = torch.manual_seed(0)
@@ -68,8 +69,8 @@ _ = torch.manual_seed(0)
 
 # %% [markdown]
 # Small helpers (the same as in notebook 04): torch's checkpoint with `use_reentrant` spelled out,
-# the top of the saved-tensors-hooks stack, a weak reference to a tensor's storage, fresh leaves and
-# their gradients.
+# the top of the saved-tensors-hooks stack, a weak reference to a tensor's storage (fresh leaves and
+# their gradients come from `ckpt_lab.helpers.tensors`).
 
 # %%
 def torch_checkpoint(function, *args):
@@ -82,21 +83,6 @@ def top_hooks():  # the top of this thread's saved-tensors-hooks stack, or None
 
 def storage_ref(t):  # dead exactly when t's memory is freed
     return weakref.ref(t.untyped_storage())
-
-
-def leaves(*shapes):
-    return [torch.randn(*shape, requires_grad=True) for shape in shapes]
-
-
-def grads(*tensors):  # the gradients, cleared for the next run
-    out = [None if t.grad is None else t.grad.clone() for t in tensors]
-    for t in tensors:
-        t.grad = None
-    return out
-
-
-def all_equal(xs, ys):
-    return all(torch.equal(x, y) for x, y in zip(xs, ys, strict=True))
 
 
 # %% tags=["nbval-ignore-output"]
