@@ -192,3 +192,19 @@ def test_saved_tensor_log_lists_each_saved_tensor_with_its_origin_and_place() ->
         f"saved activations: 2 tensors, {2 * S} bytes; parameters: 0 tensors, 0 bytes",
     ]
     del y
+
+
+def test_live_memory_serials_sizes_and_curve() -> None:
+    x = torch.randn(1000)
+    with LiveMemory() as mem:
+        y = x.sin()  # 4000 bytes
+        z = y.cos()  # 4000 more
+        s_y, s_z = mem.serial_of(y), mem.serial_of(z)
+        del y
+    assert (mem.nbytes(s_y), mem.nbytes(s_z)) == (4000, 4000)
+    assert mem.curve() == [4000, 8000, 4000]
+    assert mem.curve(exclude={s_y}) == [0, 4000, 4000]
+    assert max(mem.curve()) == mem.peak_bytes == 8000
+    with pytest.raises(KeyError, match="not created while tracking"):
+        mem.serial_of(x)
+    del z

@@ -120,7 +120,7 @@ def plot_timeline(ax: Any, mem: Any, label: str, unit: int = 1024, exclude: set[
     live, xs, ys = 0, [], []
     events = [e for e in mem.events if not exclude or e[0] not in exclude]
     for i, (serial, sign, _) in enumerate(events):
-        live += sign * mem._nbytes[serial]
+        live += sign * mem.nbytes(serial)
         xs.append(i)
         ys.append(live / unit)
     ax.step(xs, ys, where="post", label=label)

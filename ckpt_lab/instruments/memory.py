@@ -108,13 +108,30 @@ class LiveMemory(TorchDispatchMode):
 
     def peak(self, exclude: set[int] | None = None) -> int:
         """Peak live bytes over the timeline, ignoring the storages whose serials are in ``exclude``."""
-        live = peak = 0
+        return max(self.curve(exclude), default=0)
+
+    def curve(self, exclude: set[int] | None = None) -> list[int]:
+        """Live bytes after each event of the timeline, ignoring the serials in ``exclude``."""
+        live, out = 0, []
         for serial, sign, _ in self.events:
-            if exclude and serial in exclude:
-                continue
-            live += sign * self._nbytes[serial]
-            peak = max(peak, live)
-        return peak
+            if not (exclude and serial in exclude):
+                live += sign * self._nbytes[serial]
+            out.append(live)
+        return out
+
+    def serial_of(self, tensor: torch.Tensor) -> int:
+        """The serial of ``tensor``'s storage, which must have been born while tracking and be alive."""
+        try:
+            return self._live[id(tensor.untyped_storage())]
+        except KeyError:
+            raise KeyError(
+                "LiveMemory.serial_of: this tensor's storage was not created while tracking (or is already "
+                "freed); only storages born inside the `with` block have serials."
+            ) from None
+
+    def nbytes(self, serial: int) -> int:
+        """Bytes of the storage with this serial (alive or freed)."""
+        return self._nbytes[serial]
 
     def snapshot(self, label: str) -> int:
         """Collect garbage, then record and return ``live_bytes`` under ``label``."""
@@ -174,6 +191,6 @@ def measure_memory(forward: Callable[[], torch.Tensor], backward: bool = True) -
         retained_bytes=retained,
         peak_bytes=mem.peak(exclude=grads),
         peak_bytes_with_grads=mem.peak(),
-        grad_bytes=sum(mem._nbytes[s] for s in grads),
+        grad_bytes=sum(mem.nbytes(s) for s in grads),
         cuda_peak_bytes=(torch.cuda.max_memory_allocated() - cuda_start) if cuda else None,
     )
