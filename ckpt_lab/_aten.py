@@ -9,6 +9,9 @@
   arguments); autograd bumps their version counters after the op returns. A few ops write into
   arguments their schema does not mark: batch norm in training mode updates its running statistics
   in place, with no version bump.
+* **Whether an op draws random numbers.** aten's ops that do carry the ``nondeterministic_seeded``
+  tag (``bernoulli_``, ``randn``, ``native_dropout``, ...); a custom op (``torch.library``) may draw
+  without saying so.
 
 Used by the instruments (``LiveMemory``, ``SavedTensorLog``), the scope, selective checkpointing and
 the planner.
@@ -94,6 +97,10 @@ class OpInfo(NamedTuple):
     # (``Tensor(a!)``), and then autograd bumps the argument's version counter once the op returns.
     writes: tuple[tuple[int, str, bool], ...]
     fresh: tuple[bool, ...]  # per return: True if it is new memory, False if it aliases an argument
+    # Draws random numbers, from its ``generator`` argument if one is passed, else from the default
+    # generator of its device: an op with the ``nondeterministic_seeded`` tag, and any op from outside
+    # aten and prims (a custom op can't be known not to).
+    random: bool = False
 
     def written(self, args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, bool]]:
         """The tensors a call with ``args`` and ``kwargs`` writes to, each with its ``marked`` flag."""
@@ -114,12 +121,14 @@ _UNMARKED_WRITES = {
     torch.ops.aten.cudnn_batch_norm: _RUNNING_STATS,
     torch.ops.aten.miopen_batch_norm: _RUNNING_STATS,
 }
+# Namespaces whose ops say whether they draw random numbers (their tags).
+_KNOWN_NAMESPACES = frozenset({"aten", "prims"})
 # Keyed by id: an OpOverload's __hash__ is a Python method, too slow to call once per op.
 _OP_INFO: dict[int, OpInfo] = {}
 
 
 def op_info(func: Any) -> OpInfo:
-    """What ``func``'s schema says about writes and fresh memory (cached per op)."""
+    """What ``func``'s schema says about writes, fresh memory and random numbers (cached per op)."""
     info = _OP_INFO.get(id(func))
     if info is None:
         schema = func._schema
@@ -130,5 +139,7 @@ def op_info(func: Any) -> OpInfo:
         )
         writes += _UNMARKED_WRITES.get(func.overloadpacket, ())
         fresh = tuple(ret.alias_info is None for ret in schema.returns)
-        info = _OP_INFO[id(func)] = OpInfo(func, writes, fresh)
+        tags, namespace = getattr(func, "tags", ()), getattr(func, "namespace", "aten")
+        random = torch.Tag.nondeterministic_seeded in tags or namespace not in _KNOWN_NAMESPACES
+        info = _OP_INFO[id(func)] = OpInfo(func, writes, fresh, random)
     return info

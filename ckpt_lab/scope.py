@@ -9,7 +9,7 @@ written from scratch. Introduced in notebook 04, and read top to bottom in the o
 
 1. The entry point, and where a scope does nothing.
 2. Recording: ``_RecordingMode`` writes every aten op into a ``_Recording``, the scope's tape.
-3. Packing: ``_PackHook`` finds a scope tensor's recording by its storage, in ``_OWNERS``.
+3. Packing: ``_PackHook`` recognises a scope tensor by its identity, in ``_MEMBERS``.
 4. Replay: ``_Replayer`` re-runs the tape once per backward, and checks what it recomputed.
 5. The resident hooks: how our pack hook outlives the ``with`` block, and how it is released.
 
@@ -54,7 +54,11 @@ def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[No
     ``x = checkpoint(lambda a, b: a + b, a, b)``, ``x * c`` saves ``x``, alive until backward. Here
     ``x`` itself is recomputed, so it is freed as soon as the user drops it.
 
-    ``preserve_rng_state=False`` skips the RNG snapshot: only safe if the scope draws no random
+    What counts as created inside (a ``detach()``, a parameter, optimizer state made in the scope
+    do not) is NOTE [ What "born in the scope" means ]; what a replay refuses, and what it cannot
+    see, is NOTE [ What a replay refuses ].
+
+    ``preserve_rng_state=False`` skips the RNG snapshots: only safe if the scope draws no random
     numbers, or if different ones in the recomputation are acceptable.
     """
     hooks = _ResidentHooks.of_this_thread()
@@ -80,6 +84,16 @@ def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[No
         with _RecordingMode(recording):
             yield
         failed = False
+    except RuntimeError as error:
+        # torch.func's grad, vjp, jacrev and hessian refuse to run while saved-tensor hooks are on the
+        # stack, ours included, with a message that does not say whose hooks they are.
+        if "support saved tensor hooks" in str(error):
+            raise CheckpointError(
+                "gradient_checkpoint_scope: torch.func (grad, vjp, jacrev, hessian) can't run inside the "
+                "scope: the scope recomputes its tensors through saved-tensor hooks, which torch.func "
+                "does not support. Call it outside the scope, with no scope tensor alive."
+            ) from error
+        raise
     finally:
         hooks.close_scope(recording, entry, failed)
 
@@ -178,11 +192,32 @@ def _inside_a_checkpoint() -> bool:
 # (d) type(x) is _Slot rather than isinstance(), and _resolve inlined where it runs once per
 #     argument of every replayed op.
 # (e) One shared empty dict (_NO_KWARGS) for ops called without keyword arguments.
-# (f) The per-tensor objects (_SlotRecord, _ScopeTensorRef, _Owner, ...) have __slots__; and _Owner
-#     is a weakref subclass: one object per storage, where weakref.finalize keeps a registry too.
+# (f) The per-tensor objects (_SlotRecord, _ScopeTensorRef, _Member, ...) have __slots__; and
+#     _Member is a weakref subclass, the one weak reference a scope tensor costs: the tape's
+#     identity map (by_id) and the process-wide registry (_MEMBERS) share it.
+# (g) The questions asked of every op are C calls (the graph task, inference mode) or attributes
+#     of the cached OpInfo (info.writes, info.random); random ops alone pay for a generator state.
+# (h) Reading a tensor the tape knows costs one dict lookup and a weakref call, nothing more: a
+#     swapped storage (``p.data = ...``) is looked for only before an op writes to it in place.
 _NO_KWARGS: dict = {}
+_graph_task_id = torch._C._current_graph_task_id
+_grad_enabled = torch.is_grad_enabled
+_inference_mode_enabled = torch.is_inference_mode_enabled
 
 
+# NOTE [ What the tape leaves out ]
+# The tape is the forward's ops, and only those. Run through the mode but not recorded:
+# * ops run by our hooks or a replay: see NOTE [ Per-thread state ];
+# * ops of a backward run inside the scope (``loss.backward()`` in the with block). The autograd
+#   engine runs them with the thread's dispatch modes, ours included. Recorded, they made the
+#   gradients scope tensors, and the tape kept every parameter they read: the parameters kept
+#   their gradients, the gradients the recording (through _MEMBERS), the recording the parameters,
+#   a cycle through a global that nothing freed, and a resident hook for as long as the model
+#   lived. A backward has nothing to recompute for: what it saves (create_graph) is stored;
+# * ops under inference_mode that write nothing in place: what they make are inference tensors,
+#   which autograd can't save. A later recorded op reads them as inputs (kept by reference, see
+#   NOTE [ Inputs are kept, not recomputed ]) rather than a replay recomputing, say, a teacher's
+#   forward. Ops under inference_mode that write in place are recorded: a replay must see the write.
 class _RecordingMode(TorchDispatchMode):
     """Records every aten op run inside the scope (below autograd: what the backend really ran)."""
 
@@ -192,47 +227,39 @@ class _RecordingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or _NO_KWARGS  # See NOTE [ Speed ] (e).
-        if _thread.in_hook:
-            # Run by one of our hooks or a replay: not the forward's. See NOTE [ Per-thread state ].
+        # Not the forward's: see NOTE [ What the tape leaves out ] and NOTE [ Speed ] (g).
+        if _thread.in_hook or _graph_task_id() != -1:
             return func(*args, **kwargs)
         info = _OP_INFO.get(id(func)) or op_info(func)  # See NOTE [ Speed ] (a).
+        if not info.writes and _inference_mode_enabled():
+            return func(*args, **kwargs)
         written = self._before_writes(info, args, kwargs) if info.writes else []
-        if kwargs:
-            self._note_generators(kwargs)
+        # The state of the generator it is about to draw from. See NOTE [ Random ops ].
+        draw = _Draw.before(args, kwargs) if info.random and self.recording.rng else None
         out = func(*args, **kwargs)
-        self.recording.record(func, info, args, kwargs, out, written)
+        self.recording.record(func, info, args, kwargs, out, written, draw)
         return out
 
-    def _note_generators(self, kwargs: dict) -> None:
-        """Before an op runs: remember the state of an explicit generator it draws from."""
-        generators = self.recording.generators
-        for value in kwargs.values():
-            if isinstance(value, torch.Generator) and id(value) not in generators:
-                generators[id(value)] = (value, value.get_state())
-
-    def _before_writes(self, info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[_Slot, int]]:
+    def _before_writes(self, info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[_Slot, int | None]]:
         """Before an op that writes in place runs: copy the outside tensors it is about to write to.
 
         Returns (slot, version it will have after the op) for each tensor written.
         """
-        # A marked write bumps the version above us (ADInplaceOrView), after the op returns to autograd.
-        return [(self._before_write(t), t._version + marked) for t, marked in info.written(args, kwargs)]
+        written = []
+        for tensor, marked in info.written(args, kwargs):
+            version = _version_of(tensor)
+            # A marked write bumps the version above us (ADInplaceOrView), after the op returns to autograd.
+            written.append((self._before_write(tensor), None if version is None else version + marked))
+        return written
 
     def _before_write(self, tensor: torch.Tensor) -> _Slot:
         # See NOTE [ Outside tensors written in place ].
         recording = self.recording
-        slot = recording.encode(tensor)
+        slot = recording.encode_written(tensor)
         root = recording.slots[recording.slots[slot].root]
         source = root.source
-        if isinstance(source, _Borrowed):
-            owner = _OWNERS.get(id(storage_of(source.tensor)))
-            if owner is not None and owner.recording is recording:
-                # Limitation: a replay would write into a copy, not into the scope tensor this aliases.
-                raise CheckpointError(
-                    "gradient_checkpoint_scope: an in-place write through an alias the scope did not "
-                    "create (.data?) into a tensor the scope did create cannot be replayed."
-                )
-            if source.tensor._version != source.version:
+        if type(source) is _Borrowed:
+            if _version_of(source.tensor) != source.version:
                 # Limitation: the copy would hold values the scope's earlier reads did not see.
                 raise CheckpointError(
                     "gradient_checkpoint_scope: a tensor from outside the scope changed between the "
@@ -244,25 +271,30 @@ class _RecordingMode(TorchDispatchMode):
 
 class _Recording:
     """One scope's tape (its ops, one ``_SlotRecord`` per tensor they touched, the generators they
-    drew from), and its lifetime: open or not, and which storages it created are still alive."""
+    drew from), and its lifetime: open or not, and which of its scope tensors are still alive."""
 
     def __init__(self, hooks: _ResidentHooks, preserve_rng_state: bool) -> None:
         self.hooks = hooks
         self.ops: list[_Op] = []
         self.slots: list[_SlotRecord] = []
-        # While recording: id(tensor) -> (weakref, slot). Weak, or the scope would keep its tensors.
-        self.by_id: dict[int, tuple[weakref.ref, _Slot]] = {}
-        # id -> (generator, its state before the scope first drew from it).
-        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
-        # Keys of our entries in _OWNERS whose storages are alive. A set: add and discard are atomic,
-        # and storages die on any thread.
-        self.alive_storages: set[int] = set()
+        # While recording: id(tensor) -> (weakref, slot), and for an input the id of its storage.
+        # Weak, or the scope would keep its tensors.
+        self.by_id: dict[int, tuple] = {}
+        # While recording: id(storage) -> (weakref, root slot) for the memory the scope made, to tell
+        # an undeclared alias (or a .data) of it from an input. Checked by the weakref: ids get reused.
+        self.storages: dict[int, tuple[weakref.ref, _Slot]] = {}
+        # Keys of our entries in _MEMBERS, the scope tensors alive. A set: add and discard are atomic,
+        # and tensors die on any thread.
+        self.members: set[int] = set()
         self.open = True
+        # See NOTE [ Random ops ]: the first draw from each generator (key: the generator or device).
+        self.rng = preserve_rng_state
+        self.drawn: dict[Any, _Draw] = {}
         # Captured once, before the scope's first op. See NOTE [ RNG and autocast in a replay ].
         state, self.uninitialised = _capture_replay_state(preserve_rng_state)
         # The replayer shares our lists but holds no reference back to us: we reference it, and a
         # cycle would free the tape (and the inputs it keeps) only when the garbage collector runs.
-        self.replayer = _Replayer(self.ops, self.slots, self.generators, state)
+        self.replayer = _Replayer(self.ops, self.slots, self.drawn, state)
 
     def encode(self, value: Any) -> Any:
         """An argument as the tape keeps it: each tensor becomes its slot."""
@@ -274,20 +306,77 @@ class _Recording:
             return _Nested([self.encode(v) for v in value])
         return value
 
-    def _add_input(self, tensor: torch.Tensor) -> _Slot:
-        """A slot for a tensor from outside the scope. See NOTE [ Inputs are kept, not recomputed ]."""
-        return self._add_slot(tensor, _Borrowed(tensor), None)
+    def encode_written(self, tensor: torch.Tensor) -> _Slot:
+        """``encode`` for a tensor an op is about to write to. An input also names its storage here:
+        ``p.data = ...`` swaps it (a LazyLinear's first forward, between reading the placeholder and
+        initialising the new memory in place), and from then on p is another input. Checked before
+        writes only, where it matters for parameters made in the scope (see NOTE [ Speed ] (h))."""
+        entry = self.by_id.get(id(tensor))
+        # By the storage's id: a new storage that got a dead one's id goes unseen, and the write then
+        # goes to a copy (see NOTE [ Outside tensors written in place ]), right unless an op the
+        # replay runs read the old values.
+        if (
+            entry is not None
+            and len(entry) == 3
+            and entry[0]() is tensor
+            and entry[2] != id(storage_of(tensor))
+        ):
+            return self._add_input(tensor)
+        return self.encode(tensor)
 
-    def _add_slot(self, tensor: torch.Tensor, source: Any, root: _Slot | None) -> _Slot:
+    def _add_input(self, tensor: torch.Tensor) -> _Slot:
+        """A slot for a tensor the scope did not make. See NOTE [ Inputs are kept, not recomputed ]."""
+        storage = storage_of(tensor)
+        entry = self.storages.get(id(storage))
         slot = _Slot(len(self.slots))
-        self.slots.append(_SlotRecord(source, slot if root is None else root, None, None))
-        self.by_id[id(tensor)] = (weakref.ref(tensor), slot)
+        if entry is not None and entry[0]() is storage:
+            # Another tensor object on memory the scope made (.data, a Parameter wrapped around it):
+            # replayed as a view of that memory. See NOTE [ What "born in the scope" means ].
+            self.slots.append(_SlotRecord(_Alias(tensor), entry[1], None, None, False, slot))
+        else:
+            self.slots.append(_SlotRecord(_Borrowed(tensor), slot, None, None, False, slot))
+        self.by_id[id(tensor)] = (weakref.ref(tensor), slot, id(storage))
         return slot
 
+    def _add_slot(
+        self,
+        tensor: torch.Tensor,
+        source: Any,
+        root: _Slot | None,
+        made: bool,
+        counter: _Slot | None = None,
+        version: int | None = None,
+    ) -> _Slot:
+        slot = _Slot(len(self.slots))
+        root, counter = slot if root is None else root, slot if counter is None else counter
+        self.slots.append(_SlotRecord(source, root, version, None, made, counter))
+        if made:
+            # A scope tensor: registered, so that the pack hook knows it.
+            self.by_id[id(tensor)] = (self._register(tensor, root, counter), slot)
+        else:
+            self.by_id[id(tensor)] = (weakref.ref(tensor), slot)
+        return slot
+
+    def _register(self, tensor: torch.Tensor, root: _Slot, counter: _Slot) -> _Member:
+        # See NOTE [ What "born in the scope" means ] and NOTE [ Speed ] (f).
+        member = _Member(tensor, _member_died)
+        member.key, member.recording, member.root, member.counter = id(tensor), self, root, counter
+        _MEMBERS[member.key] = member
+        self.members.add(member.key)
+        return member
+
     def record(
-        self, func: Any, info: OpInfo, args: tuple, kwargs: dict, out: Any, written: list[tuple[_Slot, int]]
+        self,
+        func: Any,
+        info: OpInfo,
+        args: tuple,
+        kwargs: dict,
+        out: Any,
+        written: list[tuple[_Slot, int | None]],
+        draw: _Draw | None,
     ) -> None:
         """After an op ran: append it, and give every new tensor it returned a slot."""
+        grad = _grad_enabled()
         # See NOTE [ Speed ] (c).
         outputs = ((out, info.fresh[0]),) if type(out) is torch.Tensor else _outputs(out, info.fresh)
         if not outputs and not written:
@@ -301,66 +390,89 @@ class _Recording:
             entry = self.by_id.get(id(tensor))
             # In-place and out= ops return an argument: it keeps its slot.
             known = entry is not None and entry[0]() is tensor
-            slots.append(entry[1] if known else self._add_output(tensor, fresh, args, meta))
+            slots.append(entry[1] if known else self._add_output(tensor, fresh, args, meta, grad))
             metas.append(meta)
         writes = ()
         if written:
             writes = tuple(slot for slot, _ in written)
             for slot, version in written:
-                root = self.slots[self.slots[slot].root]
-                if root.version is not None:
-                    # Views share their base's version counter: this is the root's version after the op.
-                    root.version = version
+                # The version after the op of the counter it shares (see _SlotRecord.counter).
+                counter = self.slots[self.slots[slot].counter]
+                if counter.version is not None and version is not None:
+                    counter.version = version
+        if draw is not None:
+            self.drawn.setdefault(draw.key(), draw)
         # See NOTE [ Speed ] (b).
-        self.ops.append(tuple.__new__(_Op, (func, args, kwargs, tuple(slots), tuple(metas), writes)))
+        op = (func, args, kwargs, tuple(slots), tuple(metas), writes, draw, grad)
+        self.ops.append(tuple.__new__(_Op, op))
 
-    def _add_output(self, tensor: torch.Tensor, fresh: bool, args: tuple, meta: tuple) -> _Slot:
+    def _add_output(self, tensor: torch.Tensor, fresh: bool, args: tuple, meta: tuple, grad: bool) -> _Slot:
         storage = storage_of(tensor) if fresh else None
-        owner = _OWNERS.get(id(storage))
-        if storage is not None and owner is None:
-            # New memory, what the scope exists for: register it so that the pack hook knows it.
-            # See NOTE [ Scope tensors are recognised by their storage ].
-            slot = _Slot(len(self.slots))
-            self.slots.append(_SlotRecord(None, slot, tensor._version, meta))
-            self.by_id[id(tensor)] = (weakref.ref(tensor), slot)
-            owner = _Owner(storage, _storage_died)
-            owner.key, owner.recording, owner.root = id(storage), self, slot
-            _OWNERS[owner.key] = owner
-            self.alive_storages.add(owner.key)
-            return slot
-        # A view (or an alias the schema does not declare, like _unsafe_view): it lives in the storage
-        # of the slot that owns it, or else in that of the op's first tensor argument.
-        if owner is not None and owner.recording is self:
-            root = owner.root
-        else:
-            base = next((a for a in args if type(a) is _Slot), None)
-            root = None if base is None else self.slots[base].root
-        return self._add_slot(tensor, None, root)
+        if storage is not None:
+            entry = self.storages.get(id(storage))
+            if entry is None or entry[0]() is not storage:
+                # New memory, what the scope exists for: a scope tensor, unless made with grad mode off.
+                # See NOTE [ What "born in the scope" means ].
+                made = grad
+                slot = _Slot(len(self.slots))
+                self.slots.append(_SlotRecord(None, slot, tensor._version, meta, made, slot))
+                self.storages[id(storage)] = (weakref.ref(storage), slot)
+                ref = self._register(tensor, slot, slot) if made else weakref.ref(tensor)
+                self.by_id[id(tensor)] = (ref, slot)
+                return slot
+            # An alias the schema does not declare (_unsafe_view, unsafe_split's chunks in GRU and LSTM
+            # cells) of memory the scope made: autograd gives it no base to be recognised by, so it is
+            # registered itself if that memory is; and a version counter of its own.
+            root = entry[1]
+            return self._add_slot(tensor, None, root, self.slots[root].made, None, tensor._version)
+        # A view: it lives in the storage of the op's first tensor argument, and shares its version
+        # counter. Not registered: the pack hook finds a view of a scope tensor by its _base, and a
+        # detach() has none.
+        base = next((a for a in args if type(a) is _Slot), None)
+        if base is None:
+            return self._add_slot(tensor, None, None, False)
+        return self._add_slot(tensor, None, self.slots[base].root, False, self.slots[base].counter)
 
     def close(self, failed: bool) -> None:
         """The scope's ``with`` block ended (``failed``: by an exception)."""
         self.open = False
         # Identities are only needed while ops are still being recorded.
         self.by_id = {}
+        storages, self.storages = self.storages, {}
         replayer = self.replayer
         replayer.state = _with_accelerator_initialised_inside(replayer.state, self.uninitialised)
-        # Safety net for schemas that lie: an output we took for new memory but that shares an
-        # outside tensor's storage would keep this recording alive as long as that tensor lives.
-        borrowed = {id(storage_of(s.source.tensor)) for s in self.slots if isinstance(s.source, _Borrowed)}
-        for key in list(self.alive_storages) if failed else self.alive_storages & borrowed:
+        # Safety net for schemas that lie: an output we took for new memory but that shares an outside
+        # tensor's storage is stored, not recomputed (that tensor may change it, unseen).
+        borrowed = {id(storage_of(s.source.tensor)) for s in self.slots if type(s.source) is _Borrowed}
+        lying = {storages[key][1] for key in borrowed if key in storages and storages[key][0]() is not None}
+        for key in list(self.members):
+            member = _MEMBERS.get(key)
+            tensor = None if member is None else member()
+            if tensor is None:
+                continue
             # After an exception no new references: scope tensors still alive are stored normally.
-            owner = _OWNERS.get(key)
-            if owner is not None and owner.recording is self:
-                del _OWNERS[key]
-            self.alive_storages.discard(key)
-        if not self.alive_storages:
+            # A leaf that requires grad (made in the scope) is the user's state: see the NOTE.
+            if failed or member.root in lying or (tensor.requires_grad and tensor.is_leaf):
+                if _MEMBERS.get(key) is member:
+                    del _MEMBERS[key]
+                self.members.discard(key)
+        if not self.members:
             self.hooks.live_recordings.discard(self)
 
-    def storage_released(self, key: int) -> None:
-        """A storage this scope created was freed (on any thread)."""
-        self.alive_storages.discard(key)
-        if not self.alive_storages and not self.open:
+    def member_released(self, key: int) -> None:
+        """A scope tensor of this recording died (on any thread)."""
+        self.members.discard(key)
+        if not self.members and not self.open:
             self.hooks.forget(self)
+
+
+def _version_of(tensor: torch.Tensor) -> int | None:
+    """A tensor's version counter; None for an inference tensor, which has none (and can be written
+    in place only under inference_mode: no write to it before backward can be seen, as with .data)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
 
 
 # What the tape holds.
@@ -378,18 +490,28 @@ class _Slot(int):
 class _SlotRecord:
     """What the tape knows of the tensor in one slot."""
 
-    __slots__ = ("meta", "root", "source", "version")
+    __slots__ = ("counter", "made", "meta", "root", "source", "version")
 
-    def __init__(self, source: Any, root: _Slot, version: int | None, meta: tuple | None) -> None:
+    def __init__(
+        self, source: Any, root: _Slot, version: int | None, meta: tuple | None, made: bool, counter: _Slot
+    ) -> None:
         # None for a tensor an op made, else how a replay gets it: _Borrowed, or _Snapshot once the
-        # scope wrote to it.
+        # scope wrote to it, or _Alias for another tensor object on memory the scope made.
         self.source = source
         # The slot whose storage it lives in: itself for new memory and for inputs.
         self.root = root
-        # For a slot owning new memory (else None): its version after the last recorded op, and
-        # its metadata (which tells a view of it that autograd saves from the tensor itself).
+        # The slot whose version counter it shares: its base's for a view, else itself. Not the root's
+        # for an undeclared alias (unsafe_split's chunks count their own writes), nor for an _Alias.
+        self.counter = counter
+        # For a slot with a counter of its own made in the scope (else None): its version after the
+        # last recorded op.
         self.version = version
+        # For a slot owning new memory: its metadata (which tells a view of it that autograd saves
+        # from the tensor itself).
         self.meta = meta
+        # A registered scope tensor (new memory made with grad on, or an undeclared alias of it): see
+        # NOTE [ What "born in the scope" means ].
+        self.made = made
 
 
 class _Op(NamedTuple):
@@ -399,6 +521,8 @@ class _Op(NamedTuple):
     outputs: tuple[_Slot, ...]  # the slot of each tensor it returned
     metas: tuple[tuple, ...]  # and that tensor's metadata, for the replay's check
     writes: tuple[_Slot, ...]  # slots it writes in place
+    draw: _Draw | None  # a random op: its generator's state before it drew (NOTE [ Random ops ])
+    grad: bool  # grad mode when it ran (some kernels ask: an RNN's returns a workspace only with it)
 
 
 class _Nested(tuple):
@@ -425,10 +549,10 @@ class _Borrowed:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self.version = tensor._version
+        self.version = _version_of(tensor)
 
     def materialize(self) -> torch.Tensor:
-        if self.tensor._version != self.version:
+        if _version_of(self.tensor) != self.version:
             # Limitation (1) of NOTE [ What a replay refuses ].
             raise CheckpointError(
                 "gradient_checkpoint_scope: a tensor from outside the scope, read inside it, was modified "
@@ -439,14 +563,25 @@ class _Borrowed:
         return self.tensor
 
 
+class _Alias:
+    """Another tensor object on memory the scope made (a ``.data``, a Parameter wrapped around it):
+    a replay makes it as a view of the recomputed memory, with its geometry."""
+
+    __slots__ = ("geometry",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
+
+
 # NOTE [ Outside tensors written in place ]
 # An outside tensor written in place inside the scope (BatchNorm's running statistics, buf.add_(1))
 # must be updated exactly once, by the forward. So it is copied once, just before the first write
 # (_Snapshot), and each replay writes into a fresh copy of that copy; a large buffer costs its size.
-# Views of it made earlier are replayed as views of the copy, so they see the write too. Refused
-# with CheckpointError: a write through an alias the scope did not create (.data) into a tensor the
-# scope did create, and an outside tensor that changed, by an op the scope did not see, between the
-# scope reading it and writing to it.
+# Views of it made earlier are replayed as views of the copy, so they see the write too. A tensor
+# that shares memory the scope made (.data, a Parameter initialised in place) is no outside tensor:
+# its writes are replayed into the recomputed memory (_Alias). Refused with CheckpointError: an
+# outside tensor that changed, by an op the scope did not see, between the scope reading it and
+# writing to it.
 class _Snapshot:
     """An input the scope writes to in place, copied just before the first write: each replay writes
     into a copy of this copy, and the input itself is updated exactly once, by the forward."""
@@ -490,28 +625,144 @@ def _meta(tensor: torch.Tensor) -> tuple:
         return (tensor.shape, None, None, tensor.dtype, tensor.device)
 
 
-# ============================================================================ 3. packing: owners
-# NOTE [ Scope tensors are recognised by their storage ]
-# A pack hook is handed a tensor, not told where it came from. A tensor the scope made is
-# recognised by its *storage*, so views of it count too, wherever they were made (a 3-d Linear
-# after the scope saves a view of its input). _OWNERS maps id(storage) to its _Owner. Process-wide,
-# so a scope tensor saved by any thread is recognised. A storage's Python object lives exactly as
-# long as the storage, so its id is a valid key while it lives, and the weakref callback removes
-# the entry before the id can be reused.
-class _Owner(weakref.ref):
-    """A weak reference to a storage a scope created, naming the recording and the slot that own it."""
+# NOTE [ Random ops ]
+# A replay must draw exactly the numbers the forward drew. The generators' state at the scope's
+# entry (NOTE [ RNG and autocast in a replay ]) is not enough: code in the scope may reseed between
+# two random ops (torch.manual_seed, torch.set_rng_state, fork_rng with a seed, a Generator's
+# manual_seed), and none of that is an aten op the tape could see; a replay from the entry state
+# then drew other numbers, silently. So each op that draws random numbers (OpInfo.random: aten's
+# ``nondeterministic_seeded`` tag, bernoulli_, native_dropout, randn, ...; and any custom op, which
+# can't be known not to) records the state of the generator it draws from just before it draws
+# (_Draw), and the replay sets that state right before re-running it. Its generator: its
+# ``generator`` argument if one is passed, else the default generator of its device (a factory's
+# ``device`` argument, else its first tensor's). Cost: a get_state per random op of the forward
+# (about 1 µs; the CPU's Mersenne Twister state is 5 KB, a CUDA generator's 16 bytes), a set_state
+# per random op replayed; the other ops test one attribute. Each generator drawn from is put back
+# after a replay (_forked): the caller's streams go on.
+# Limit: a custom op that draws from another generator than its device's default one (a Generator
+# held in Python, another device's) draws in a replay from wherever the ops replayed before left it:
+# right only if the scope does not reseed it and the replay skips no op that drew from it.
+class _Draw:
+    """A random op's generator (an explicit one, or a device's default) and its state just before
+    the op drew from it."""
 
-    __slots__ = ("key", "recording", "root")  # See NOTE [ Speed ] (f).
+    __slots__ = ("device", "generator", "state")
+
+    def __init__(
+        self, generator: torch.Generator | None, device: torch.device | None, state: torch.Tensor
+    ) -> None:
+        self.generator = generator  # None: the default generator of ``device`` (not the CPU's)
+        self.device = device
+        self.state = state
+
+    @staticmethod
+    def before(args: tuple, kwargs: dict) -> _Draw | None:
+        generator = kwargs.get("generator")
+        device = kwargs.get("device")
+        # One pass: the first tensor names the device; a few schemas take the generator positionally
+        # (rrelu_with_noise, _fused_dropout).
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                if device is None:
+                    device = arg.device
+            elif isinstance(arg, torch.Generator):
+                generator = arg
+        if generator is not None:
+            return _Draw(generator, None, generator.get_state())
+        if device is None:
+            # out= factories (randn.out): the out tensor's device.
+            device = next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), _CPU)
+        elif type(device) is not torch.device:
+            device = torch.device(device)
+        if device.type == "cpu":
+            return _Draw(_CPU_GENERATOR, None, _CPU_GENERATOR.get_state())
+        if device.type == "meta":
+            return None  # draws nothing
+        module = torch.get_device_module(device.type)
+        if device.index is None:
+            # The current device now, which backward's may not be.
+            device = torch.device(device.type, module.current_device())
+        return _Draw(None, device, module.get_rng_state(device))
+
+    def key(self) -> Any:
+        return self.device if self.generator is None else self.generator
+
+    def now(self) -> _Draw:
+        """The same generator's state now."""
+        if self.generator is not None:
+            return _Draw(self.generator, None, self.generator.get_state())
+        return _Draw(None, self.device, torch.get_device_module(self.device.type).get_rng_state(self.device))
+
+    def restore(self) -> None:
+        if self.generator is not None:
+            self.generator.set_state(self.state)
+        else:
+            torch.get_device_module(self.device.type).set_rng_state(self.state, self.device)
 
 
-_OWNERS: dict[int, _Owner] = {}
+_CPU = torch.device("cpu")
+_CPU_GENERATOR = torch.default_generator
+_NOTHING = contextlib.nullcontext()
 
 
-def _storage_died(owner: _Owner) -> None:
+@contextlib.contextmanager
+def _forked(draws: Any) -> Iterator[None]:
+    """Every generator of ``draws`` put back afterwards as it is now."""
+    now = [draw.now() for draw in draws]
+    try:
+        yield
+    finally:
+        for draw in now:
+            draw.restore()
+
+
+# ==================================================================== 3. packing: scope tensors
+# NOTE [ What "born in the scope" means ]
+# A pack hook is handed a tensor, not told where it came from. A *scope tensor* is a tensor object
+# that a recorded op returned as new memory (or an undeclared alias of such a tensor:
+# _SlotRecord.made), or a view autograd made of one, in the scope or after it: its ``_base`` is one
+# (a 3-d Linear after the scope saves a view of its input). _MEMBERS maps id(tensor) to its
+# _Member, a weak reference naming the recording and the slot whose storage it lives in.
+# Process-wide, so a scope tensor saved by any thread is recognised. PyTorch keeps a tensor's
+# Python object exactly as long as the tensor, and the weakref callback removes the entry before
+# the id can be reused.
+#
+# By identity, not by storage: another tensor object on the same memory is a plain value, stored as
+# autograd would store it, and it does not keep the recording (nor the inputs its tape keeps) alive:
+# * a ``detach()``, made in the scope or after it. Truncated BPTT carries the hidden state into the
+#   next chunk so, and the optimizer updates the parameters its record read in between: recomputed
+#   from the record, it would have read the new ones (refused by version) or, updated through
+#   ``.data``, silently. And each chunk's state would have kept the previous chunk's record alive;
+# * a ``.data``, a Parameter wrapped around a tensor made in the scope (``nn.Linear`` built in the
+#   scope, a LazyLinear's first forward, ``nn.Parameter(torch.empty(...))`` initialised in place);
+#   inside the scope such a tensor is read as a view of the memory it shares (_Alias), so that a
+#   replay sees the writes made through it, and they see the replay's;
+# * a leaf that requires grad made in the scope (``torch.zeros(3, requires_grad=True)``): the user's
+#   state, which its AccumulateGrad node keeps anyway. Unregistered when the scope closes;
+# * new memory made with grad mode off: an optimizer's state (SGD's momentum buffer, Adam's moments
+#   when ``opt.step()`` runs in the scope), statistics, a target computed under no_grad. Not an
+#   activation, often long-lived: registered, it held a hook on the stack for the optimizer's life.
+#   Recorded all the same, so that a replay computes what reads it.
+# A recording lives as long as one of its scope tensors (a view keeps its base through ``_base``),
+# no longer: a ``loss.detach()`` logged after backward holds no hook on the stack.
+# Limits: an alias made without autograd after the scope (``.data``, ``as_strided`` on it) is not
+# recognised, so it is stored (memory, never gradients); a write through ``.data`` after the scope
+# is not seen at all: see NOTE [ What a replay refuses ].
+class _Member(weakref.ref):
+    """A weak reference to a scope tensor, naming the recording, the slot whose storage it lives in
+    and the slot whose version counter it shares."""
+
+    __slots__ = ("counter", "key", "recording", "root")  # See NOTE [ Speed ] (f).
+
+
+_MEMBERS: dict[int, _Member] = {}
+
+
+def _member_died(member: _Member) -> None:
     # Identity check: the entry may have been forgotten already (after an exception in the scope).
-    if _OWNERS.get(owner.key) is owner:
-        del _OWNERS[owner.key]
-        owner.recording.storage_released(owner.key)
+    if _MEMBERS.get(member.key) is member:
+        del _MEMBERS[member.key]
+        member.recording.member_released(member.key)
 
 
 class _PackHook:
@@ -528,9 +779,16 @@ class _PackHook:
     def __call__(self, tensor: torch.Tensor) -> Any:
         _thread.in_hook += 1
         try:
-            # See NOTE [ Scope tensors are recognised by their storage ]; id(None) is never a key.
-            owner = _OWNERS.get(id(storage_of(tensor)))
-            ref = owner.recording.replayer.ref_for(tensor, owner.root) if owner is not None else None
+            # See NOTE [ What "born in the scope" means ].
+            owner = _MEMBERS.get(id(tensor))
+            if owner is None:
+                # A view autograd made of a scope tensor (after the scope, say); id(None) is never a key.
+                owner = _MEMBERS.get(id(tensor._base))
+            made = owner() if owner is not None else None
+            # A leaf that requires grad is the user's state (made in a scope still open).
+            ref = None
+            if made is not None and not (made.requires_grad and made.is_leaf):
+                ref = owner.recording.replayer.ref_for(tensor, owner.root, owner.counter)
             if ref is not None:
                 return ref
             if self.below is None:
@@ -553,13 +811,17 @@ def _unpack(packed: _ScopeTensorRef | _Stored | _Delegated) -> torch.Tensor:
 # What autograd stores, through our pack hook.
 class _ScopeTensorRef:
     """What autograd stores for a scope tensor: its recording's replayer, the slot whose storage it
-    lives in, its version when saved, and its geometry if it is a view (None: the slot's tensor)."""
+    lives in, the slot whose version counter it shares and its version when saved, and its geometry
+    if it is a view (None: the slot's tensor)."""
 
-    __slots__ = ("__weakref__", "geometry", "replayer", "root", "round", "version")
+    __slots__ = ("__weakref__", "counter", "geometry", "replayer", "root", "round", "version")
 
-    def __init__(self, replayer: _Replayer, root: int, version: int, geometry: tuple | None) -> None:
+    def __init__(
+        self, replayer: _Replayer, root: int, counter: int, version: int, geometry: tuple | None
+    ) -> None:
         self.replayer = replayer
         self.root = root
+        self.counter = counter
         self.version = version
         self.geometry = geometry
         self.round = -1  # the last replay that served this reference
@@ -610,9 +872,11 @@ class _Delegated:
 # recomputed tensor of every slot that a live _ScopeTensorRef wants. Each is handed out, and
 # dropped as soon as every reference that wanted it has it: backward then holds the only
 # references. A second unpack of the same reference (retain_graph, a second backward) starts a new
-# round: it replays again. A replay runs the ops up to the last one that writes a wanted tensor, all
-# of them, even those whose outputs nobody wants, so that the RNG is drawn from in the forward's
-# order; and it frees each intermediate as soon as no later op reads it.
+# round: it replays again. A replay runs only the ops a wanted tensor depends on (_Replayer._plan):
+# those that made it, wrote into its memory, or made what those read, and so on back. A random op
+# it skips does not shift the others' numbers: each sets its own generator's state, see
+# NOTE [ Random ops ]. And it frees each intermediate as soon as no later op reads it. Each op runs
+# below autograd, as it was recorded, in the grad mode it ran in (a few kernels ask).
 #
 # NOTE [ What a replay refuses ]
 # A replay refuses with CheckpointError what would otherwise give silently wrong gradients:
@@ -622,13 +886,32 @@ class _Delegated:
 # Modifications through .data bypass version counters, here as in autograd: (1) and (2) can't see
 # them, (3) catches those that change what a recomputed tensor looks like. A scope tensor a replay
 # could not reproduce is stored instead of recomputed (see _Replayer.ref_for).
-class _Schedule(NamedTuple):
-    """What a replay of the first ``ops`` ops needs to know, computed once per length of the tape."""
+# Not detectable, so not refused: a scope tensor written through ``.data`` *after the scope* and
+# *before* autograd saves it. ``with scope(): w = a.sin()``,
+# then ``w.data.mul_(3)``, then ``y = w * c``: autograd saves the current w, 3·sin(a), and a replay
+# recomputes sin(a), so c.grad comes out a third of the plain run's. Nothing tells the two apart
+# but the values themselves (a checksum per saved tensor would cost a pass over its memory in the
+# forward and could not tolerate a nondeterministic kernel's last bits). Without the scope the same
+# write *after* the save would go unseen too; here it is the write before it.
+class _Plan(NamedTuple):
+    """What one replay runs, for one set of wanted roots: see NOTE [ One replay per backward ]."""
 
-    ops: int
-    last_use: dict[int, int]  # per slot: the last op reading or returning it
-    last_write: dict[int, int]  # per root: the last op writing it
-    first_use: dict[int, int]  # per input: the first op reading it
+    key: tuple  # (ops recorded, wanted roots) it was computed for
+    run: list[int]  # the ops to re-run, in the forward's order
+    frees: list[list[int]]  # per op run: the slots that no later op nor any reference needs
+    inputs: list[int]  # the input slots it reads (_Borrowed, _Snapshot), made first
+    alias_at: dict[int, list[int]]  # per op run: the _Alias slots it is the first to read
+
+
+def _slot_args(op: _Op) -> list[_Slot]:
+    """The slots among an op's arguments, nested lists included."""
+    found = []
+    for arg in (*op.args, *op.kwargs.values()) if op.kwargs else op.args:
+        if type(arg) is _Slot:
+            found.append(arg)
+        elif type(arg) is _Nested:
+            found.extend(a for a in arg if type(a) is _Slot)
+    return found
 
 
 class _Replayer:
@@ -637,13 +920,11 @@ class _Replayer:
     See NOTE [ One replay per backward ]; a lock makes unpacks on several threads take turns.
     """
 
-    def __init__(
-        self, ops: list[_Op], slots: list[_SlotRecord], generators: dict, state: ReplayState
-    ) -> None:
+    def __init__(self, ops: list[_Op], slots: list[_SlotRecord], drawn: dict, state: ReplayState) -> None:
         # The recording's own lists: ops recorded later (an unpack inside the scope) are seen too.
         self.ops = ops
         self.slots = slots
-        self.generators = generators
+        self.drawn = drawn
         self.state = state
         self.lock = threading.RLock()
         # Weak: the graph owns the references. A dead one tells the replay its tensor is not needed.
@@ -651,25 +932,26 @@ class _Replayer:
         self.values: dict[int, torch.Tensor] = {}
         self.pending: Counter[int] = Counter()
         self.round = 0
-        self.cached_schedule: _Schedule | None = None
+        self.cached_plan: _Plan | None = None
 
-    def ref_for(self, tensor: torch.Tensor, root: int) -> _ScopeTensorRef | None:
-        """What autograd stores for a tensor living in ``root``'s storage; None: store it normally."""
+    def ref_for(self, tensor: torch.Tensor, root: int, counter: int) -> _ScopeTensorRef | None:
+        """What autograd stores for a tensor living in ``root``'s storage and sharing ``counter``'s
+        version counter; None: store it normally."""
         version = tensor._version
-        root_record = self.slots[root]
         # Limitation: a replay could not reproduce it. Modified in place by an op we did not record
         # (after the scope), or a conjugate or negative view (a lazy bit that _restrided would drop).
-        if version != root_record.version or tensor.is_conj() or tensor.is_neg():
+        if version != self.slots[counter].version or tensor.is_conj() or tensor.is_neg():
             return None
         geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
-        ref = _ScopeTensorRef(self, root, version, None if geometry == root_record.meta[:4] else geometry)
+        own = geometry == self.slots[root].meta[:4]
+        ref = _ScopeTensorRef(self, root, counter, version, None if own else geometry)
         self.refs.append(weakref.ref(ref))
         return ref
 
     def serve(self, ref: _ScopeTensorRef) -> torch.Tensor:
         """Unpack: the recomputed tensor for ``ref``, replaying first if this round has none."""
         with self.lock:
-            version = self.slots[ref.root].version
+            version = self.slots[ref.counter].version
             if version != ref.version:
                 # Limitation (2) of NOTE [ What a replay refuses ].
                 raise CheckpointError(
@@ -690,48 +972,93 @@ class _Replayer:
                 del self.pending[ref.root]
         return value if ref.geometry is None else _restrided(value, ref.geometry)
 
-    def _schedule(self) -> _Schedule:
-        """The tape's schedule, computed again only if ops were recorded since (the scope is open)."""
-        if self.cached_schedule is None or self.cached_schedule.ops != len(self.ops):
-            last_use: dict[int, int] = {}
-            last_write: dict[int, int] = {}
-            first_use: dict[int, int] = {}
-            for i, op in enumerate(self.ops):
-                for arg in (*op.args, *op.kwargs.values()):
-                    for slot in (arg,) if type(arg) is _Slot else arg if type(arg) is _Nested else ():
-                        if type(slot) is _Slot:
-                            last_use[slot] = i
-                            if self.slots[slot].source is not None:
-                                first_use.setdefault(slot, i)
-                for slot in op.outputs:
-                    last_use[slot] = i
-                for slot in op.outputs + op.writes:
-                    last_write[self.slots[slot].root] = i
-            self.cached_schedule = _Schedule(len(self.ops), last_use, last_write, first_use)
-        return self.cached_schedule
+    def _plan(self, wanted: Counter[int]) -> _Plan:
+        """What a replay for ``wanted`` runs (see NOTE [ One replay per backward ]); computed again only
+        if ops were recorded since (the scope is open) or other tensors are wanted."""
+        key = (len(self.ops), frozenset(wanted))
+        if self.cached_plan is not None and self.cached_plan.key == key:
+            return self.cached_plan
+        slots, ops = self.slots, self.ops
+        # Backwards from the end: an op runs if a later one (or a reference) needs a tensor it returns,
+        # or if it writes into memory that is needed (a root: its own, or a view's).
+        needed_slots: set[int] = set()
+        needed_roots = set(wanted)
+        run: list[int] = []
+        for i in range(len(ops) - 1, -1, -1):
+            op = ops[i]
+            for o in op.outputs:
+                if o in needed_slots or (o in needed_roots and slots[o].root == o):
+                    break
+            else:
+                for w in op.writes:
+                    if slots[w].root in needed_roots:
+                        break
+                else:
+                    continue
+            run.append(i)
+            for slot in _slot_args(op):
+                needed_slots.add(slot)
+                needed_roots.add(slots[slot].root)
+        run.reverse()
+        # Over the ops that run: when each input is first read, and when each slot is last needed.
+        last_use: dict[int, int] = {}
+        first_use: dict[int, int] = {}
+        for n, i in enumerate(run):
+            op = ops[i]
+            for slot in _slot_args(op):
+                last_use[slot] = n
+                if slots[slot].source is not None:
+                    first_use.setdefault(slot, n)
+            for slot in op.outputs:
+                last_use[slot] = n
+        alias_at: dict[int, list[int]] = {}
+        for slot, n in list(first_use.items()):
+            if type(slots[slot].source) is _Alias:
+                del first_use[slot]
+                alias_at.setdefault(n, []).append(slot)
+                # Made from its root's recomputed memory: the root must still be there then.
+                root = slots[slot].root
+                last_use[root] = max(last_use.get(root, n), n)
+        frees: list[list[int]] = [[] for _ in run]
+        for slot, n in last_use.items():
+            if slot not in wanted:
+                frees[n].append(slot)
+        self.cached_plan = _Plan(key, run, frees, list(first_use), alias_at)
+        return self.cached_plan
 
     def _replay(self) -> None:
         refs = [r for r in (ref() for ref in self.refs) if r is not None]
         self.refs = [weakref.ref(r) for r in refs]
         wanted = Counter(r.root for r in refs)
-        schedule = self._schedule()
-        # See NOTE [ One replay per backward ]: no op after the last write to a wanted tensor.
-        stop = max(schedule.last_write[root] for root in wanted)
-        frees: list[list[int]] = [[] for _ in range(stop + 1)]
-        for slot, i in schedule.last_use.items():
-            if i <= stop and slot not in wanted:
-                frees[i].append(slot)
-        values: list[Any] = [None] * len(self.slots)
-        # no_grad: a replay builds no graph (backward wires the unpacked tensors to the original one).
-        # The forward's RNG in a fork, autocast off: see NOTE [ RNG and autocast in a replay ].
-        with torch.no_grad(), self.state.replay(), _generators_at(self.generators.values()):
+        plan = self._plan(wanted)
+        ops, slots, alias_at = self.ops, self.slots, plan.alias_at
+        values: list[Any] = [None] * len(slots)
+        # Below autograd, as the ops were recorded: a replay builds no graph (backward wires the
+        # unpacked tensors to the original one), and each op runs in the grad mode it ran in, which
+        # a few kernels ask (CPU LSTM's mkldnn_rnn_layer returns its workspace only with grad on).
+        # The forward's RNG in a fork, autocast off: see NOTE [ RNG and autocast in a replay ]; each
+        # generator a random op drew from, forked too: see NOTE [ Random ops ].
+        grad = torch.is_grad_enabled()
+        with (
+            torch._C._AutoDispatchBelowAutograd(),
+            torch.set_grad_enabled(grad),
+            self.state.replay(),
+            _forked(self.drawn.values()) if self.drawn else _NOTHING,
+        ):
             # Inputs first: if one was modified in place since, fail before running anything.
-            for slot, i in schedule.first_use.items():
-                if i <= stop:
-                    values[slot] = self.slots[slot].source.materialize()
-            for i in range(stop + 1):
-                self._run(self.ops[i], values)
-                for slot in frees[i]:
+            for slot in plan.inputs:
+                values[slot] = slots[slot].source.materialize()
+            for n, i in enumerate(plan.run):
+                op = ops[i]
+                if op.grad is not grad:
+                    grad = op.grad
+                    torch._C._set_grad_enabled(grad)
+                if alias_at and n in alias_at:
+                    # A tensor sharing the scope's memory: a view of the recomputed memory.
+                    for slot in alias_at[n]:
+                        values[slot] = _restrided(values[slots[slot].root], slots[slot].source.geometry)
+                self._run(op, values)
+                for slot in plan.frees[n]:
                     # Not needed by a later op nor by a reference: let it go now.
                     values[slot] = None
         self.values = {root: values[root] for root in wanted}
@@ -744,6 +1071,9 @@ class _Replayer:
             values[a] if type(a) is _Slot else a.resolve(values) if type(a) is _Nested else a for a in op.args
         ]
         kwargs = {k: _resolve(v, values) for k, v in op.kwargs.items()} if op.kwargs else op.kwargs
+        if op.draw is not None:
+            # Its generator as the forward's op found it. See NOTE [ Random ops ].
+            op.draw.restore()
         out = op.func(*args, **kwargs)
         recomputed = (out,) if isinstance(out, torch.Tensor) else [t for t, _ in _outputs(out, ())]
         # Limitation (3) of NOTE [ What a replay refuses ], for both checks.
@@ -788,8 +1118,8 @@ def _replay_mismatch(op: _Op, got: str, recorded: str) -> CheckpointError:
 # and every device of an already initialised accelerator are captured when the scope opens (it can't
 # be known which devices the scope will draw from; each costs a few µs), and the replay draws inside
 # a fork, so the caller's stream goes on untouched. An accelerator first initialised inside the scope
-# is replayed from its freshly seeded state. Explicit torch.Generator arguments are set to their
-# state before the scope's first draw from them, and put back after the replay.
+# is replayed from its freshly seeded state. Each random op then sets its own generator's state
+# (explicit torch.Generator arguments included): see NOTE [ Random ops ].
 def _capture_replay_state(preserve_rng_state: bool) -> tuple[ReplayState, str | None]:
     """RNG of the CPU and of every device of an initialised accelerator; autocast *off*.
 
@@ -837,20 +1167,6 @@ def _seeded_states(device_type: str) -> tuple[tuple[torch.device, torch.Tensor],
     return tuple(states)
 
 
-@contextlib.contextmanager
-def _generators_at(generators: Any) -> Iterator[None]:
-    """Explicit ``torch.Generator`` arguments at their recorded states; put back afterwards."""
-    generators = list(generators)
-    now = [(g, g.get_state()) for g, _ in generators]
-    try:
-        for g, state in generators:
-            g.set_state(state)
-        yield
-    finally:
-        for g, state in now:
-            g.set_state(state)
-
-
 # ============================================================================ 5. resident hooks
 # NOTE [ Hooks that outlive the with block ]
 # Our pack hook must outlive the with block: in ``with scope(): x = a + b`` then ``y = x * c``, mul
@@ -891,7 +1207,7 @@ class _ResidentHooks:
     def __init__(self) -> None:
         self.owner = threading.get_ident()
         self.open: _Recording | None = None
-        # Recordings open, or with a storage still alive: while any, the resident entry must stay.
+        # Recordings open, or with a scope tensor still alive: while any, the resident entry must stay.
         self.live_recordings: set[_Recording] = set()
         self.resident: _PackHook | None = None
         self.busy = False  # rebuilding the stack right now (a finalizer must not start another rebuild)
@@ -928,7 +1244,7 @@ class _ResidentHooks:
         self.release_if_idle()
 
     def forget(self, recording: _Recording) -> None:
-        """``recording``'s last storage died: maybe remove the resident entry."""
+        """``recording``'s last scope tensor died: maybe remove the resident entry."""
         self.live_recordings.discard(recording)
         self.release_if_idle()
 
@@ -1025,9 +1341,11 @@ class _AfterBackward:
 
 
 def leftovers() -> dict[str, Any]:
-    """What scopes still hold: storages registered for the pack hook to recognise (any thread), and
-    this thread's resident hooks (an entry on the stack, a live recording, an open scope). Once every
-    scope tensor is freed, both must be gone; ``ckpt_lab.instruments.state`` checks it."""
+    """What scopes still hold: the storages of the scope tensors registered for the pack hook to
+    recognise (any thread), and this thread's resident hooks (an entry on the stack, a live
+    recording, an open scope). Once every scope tensor is freed, both must be gone;
+    ``ckpt_lab.instruments.state`` checks it."""
     hooks = _thread.hooks
     held = hooks is not None and bool(hooks.live_recordings or hooks.resident is not None or hooks.open)
-    return {"scope_storages_registered": len(_OWNERS), "scope_hooks_held": held}
+    storages = {(id(member.recording), member.root) for member in list(_MEMBERS.values())}
+    return {"scope_storages_registered": len(storages), "scope_hooks_held": held}

@@ -1,9 +1,9 @@
 """Global state a checkpoint must leave as it found it.
 
 A checkpoint pushes saved-tensor hooks, enters dispatch modes, turns grad mode off and on; RETURNN's
-scope even patches ``saved_tensors_hooks``' methods; ``gradient_checkpoint_scope`` registers its
-storages and may keep a hooks entry until its last tensor dies. Anything of that left behind breaks
-the *next* user's hooks, silently, or keeps memory. ``global_state()`` reads all of it; the
+scope even patches ``saved_tensors_hooks``' methods; ``gradient_checkpoint_scope`` registers the
+tensors it made and may keep a hooks entry until the last of them dies. Anything of that left behind
+breaks the *next* user's hooks, silently, or keeps memory. ``global_state()`` reads all of it; the
 benchmark compares it before and after every strategy, and the tests and notebook 04 assert
 ``assert_no_global_state()`` after every scope.
 """
