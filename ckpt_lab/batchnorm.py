@@ -22,6 +22,10 @@ they are given, so the recomputation would save two tensors fewer per BatchNorm 
 The reentrant checkpoints don't care; the non-reentrant ones match recomputed tensors to saved ones
 by position and raise ``CheckpointError`` (or, where shapes happen to line up, could hand backward
 the wrong tensor). Swapping the buffers for copies keeps what is saved identical.
+
+The swap must stay invisible to everyone else: the copies are made where no dispatch mode sees
+them (NOTE [ Scratch copies are made out of sight ]), and the module's own buffer tensors are always
+put back, however often the fix is applied (NOTE [ Applied twice ]).
 """
 
 from __future__ import annotations
@@ -31,12 +35,17 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["StatsHooks", "in_backward", "skip_stats_update_in_recompute"]
 
 # The buffers a training-mode forward writes to, in place.
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+# id() of every BatchNorm whose buffers are swapped for scratch copies right now, whichever hooks
+# swapped them. See NOTE [ Applied twice ].
+_SWAPPED: set[int] = set()
 
 
 def skip_stats_update_in_recompute(module: nn.Module) -> StatsHooks:
@@ -47,30 +56,69 @@ def skip_stats_update_in_recompute(module: nn.Module) -> StatsHooks:
     to write into; the real ones are put back when it returns *or raises* (a non-reentrant checkpoint
     stops its recomputation early by raising an exception, possibly inside a BatchNorm). Eval mode
     and forwards outside backward are left alone. Returns an object whose ``remove()`` unhooks all.
+    Applying it again (once per epoch, say) is harmless: see NOTE [ Applied twice ].
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"skip_stats_update_in_recompute: expected an nn.Module (a model, or one BatchNorm), got "
+            f"{type(module).__name__}. Pass the model that contains the BatchNorms; for several "
+            "separate modules call it once per module, or pass nn.ModuleList([...])."
+        )
     hooks = StatsHooks()
 
     def pre_hook(bn: nn.Module, args: tuple[Any, ...]) -> None:
         # Eval mode and track_running_stats=False never write the buffers: nothing to protect.
         if not (in_backward() and bn.training and bn.track_running_stats):
             return
+        # Already on scratch copies (the fix applied twice): see NOTE [ Applied twice ].
+        if id(bn) in _SWAPPED:
+            return
         real = {name: getattr(bn, name) for name in _STATS if getattr(bn, name) is not None}
         hooks.stashed[id(bn)] = real
-        for name, buffer in real.items():
+        _SWAPPED.add(id(bn))
+        # See NOTE [ Scratch copies are made out of sight ].
+        with _disable_current_modes():
             # Copies, not empty tensors: with momentum=None the factor is 1 / num_batches_tracked,
             # and the same shape, dtype and device mean the recomputation saves what the forward saved.
-            setattr(bn, name, buffer.clone())
+            copies = {name: buffer.clone() for name, buffer in real.items()}
+        for name, copy in copies.items():
+            setattr(bn, name, copy)
 
     def post_hook(bn: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        # Registered with always_call=True: runs even when the forward raised.
-        for name, buffer in hooks.stashed.pop(id(bn), {}).items():
+        # Registered with always_call=True: runs even when the forward raised. Only the hooks that
+        # swapped the buffers put them back.
+        if id(bn) not in hooks.stashed:
+            return
+        for name, buffer in hooks.stashed.pop(id(bn)).items():
             setattr(bn, name, buffer)
+        _SWAPPED.discard(id(bn))
 
     for submodule in module.modules():
         if isinstance(submodule, _BatchNorm):
             hooks.handles.append(submodule.register_forward_pre_hook(pre_hook))
             hooks.handles.append(submodule.register_forward_hook(post_hook, always_call=True))
     return hooks
+
+
+# NOTE [ Scratch copies are made out of sight ]
+# The copies are made inside the recomputation, where a checkpoint may be watching every aten op:
+# ``selective_checkpoint``'s ``_ServeMode`` checks that the re-run runs the forward's ops one by one,
+# and the forward ran no ``clone`` there. The copies are the fix's bookkeeping, not part of the
+# recomputed function, so they are made with every dispatch mode set aside (torch's
+# ``_disable_current_modes``; the instruments don't see those three small allocations either).
+# The updates *into* the copies (``add_``, ``native_batch_norm``'s writes) are the function's own
+# ops, the same as in the forward, and stay in sight.
+
+
+# NOTE [ Applied twice ]
+# Calling ``skip_stats_update_in_recompute`` again on the same model (once per epoch, say) registers
+# a second pair of hooks on each BatchNorm. Forward hooks run in the order they were registered, so
+# with each pair on its own the second pre-hook would stash the *first pair's scratch copies* as the
+# real buffers, the first post-hook would put the real ones back, and the second would then replace
+# them by those copies for good: the module keeps a copy, while an EMA model or DDP, holding the
+# original tensors, sees statistics that never change again. So the pairs share ``_SWAPPED``: a
+# pre-hook that finds the module already swapped does nothing, and only the post-hook of the pair
+# that swapped puts the buffers back. Removing either pair leaves the other working.
 
 
 def in_backward() -> bool:

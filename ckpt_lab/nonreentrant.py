@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckpt_lab.rng import ReplayState
 
-__all__ = ["CheckpointError", "checkpoint"]
+__all__ = ["CheckpointError", "check_use_reentrant", "checkpoint"]
 
 _ADVICE = (
     "The checkpointed function must save the same tensors when backward re-runs it: don't branch on "
@@ -54,6 +54,7 @@ def checkpoint(
     *args: Any,
     preserve_rng_state: bool = True,
     context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    use_reentrant: bool = False,
     **kwargs: Any,
 ) -> Any:
     """``function(*args, **kwargs)``, keeping only its inputs; backward recomputes the activations.
@@ -67,7 +68,11 @@ def checkpoint(
     Containers among the arguments (lists, tuples, dicts) are rebuilt for the recomputation from
     their contents at call time, so the re-run sees them as the forward did even if the caller
     mutated them since; torch passes the caller's objects again.
+    ``use_reentrant=False`` is accepted, and not passed on to ``function``, so that this drops in
+    where ``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)`` was; any other
+    value is refused (see ``check_use_reentrant``).
     """
+    check_use_reentrant(use_reentrant, "checkpoint")
     if not torch.is_grad_enabled():
         # No graph will be built, so there is nothing to save and nothing to recompute.
         return function(*args, **kwargs)
@@ -78,6 +83,26 @@ def checkpoint(
     frame = _Frame(function, args, kwargs, replay, recompute_context)
     with saved_tensors_hooks(_pack_to_handle(frame), _unpack_from_handle(frame)), forward_context:
         return function(*args, **kwargs)
+
+
+def check_use_reentrant(use_reentrant: Any, caller: str) -> None:
+    """Accept torch's ``use_reentrant=False``; refuse anything else, saying where the reentrant one is.
+
+    Without this parameter, a call written for torch (``checkpoint(f, x, use_reentrant=False)``)
+    would pass the keyword on to ``f``, and the ``TypeError`` would blame the user's function.
+    """
+    if use_reentrant is False:
+        return
+    if use_reentrant is None:
+        # torch's own default; in torch 2.13 it warns and then runs the reentrant variant.
+        asked = "use_reentrant=None (torch's default, which means the reentrant variant)"
+    else:
+        asked = f"use_reentrant={use_reentrant!r}"
+    raise ValueError(
+        f"{caller}: got {asked}, but ckpt_lab.{caller} is the non-reentrant checkpoint. Pass "
+        "use_reentrant=False or leave it out; for the reentrant variant call "
+        "ckpt_lab.reentrant_checkpoint(function, *args) instead."
+    )
 
 
 class _StopRecomputation(Exception):

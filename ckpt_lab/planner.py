@@ -9,6 +9,8 @@ Introduced in notebook 05. torch has a memory-budget solver only under ``torch.c
    costs to compute again (FLOPs by default, measured seconds with ``cost="time"``), and how far a
    recomputation runs (the non-reentrant checkpoint stops after the op whose output is the last
    tensor autograd saved: ops after it are never recomputed, so keeping them buys nothing).
+   Profiling leaves the model, the random generators and autocast's cache as it found them
+   (NOTE [ Profiling leaves no trace ]).
 2. **solve**: keeping op *i* costs ``nbytes[i]`` of retained memory and saves ``cost[i]`` of
    recomputation. Under a budget that is a 0/1 knapsack: ``solve_greedy`` takes the best cost per
    byte first, ``solve_dp`` is the exact dynamic program over bytes (in units of their greatest
@@ -27,11 +29,13 @@ What the model leaves out, and how this relates to the literature (notebook 05 s
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,13 +45,20 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
-from ckpt_lab._aten import new_storages, op_info, storage_key, storage_keys, storages, tensors_in
+from ckpt_lab._aten import new_storages, op_info, storage_key, storage_keys, storage_of, storages, tensors_in
 
 # The cost model lives with the instruments (the benchmark counts with it too); importable from here.
 from ckpt_lab.instruments.flops import CostCounter, matmul_flops, op_cost
 from ckpt_lab.nonreentrant import CheckpointError
 from ckpt_lab.rng import fork_rng, tensor_devices
-from ckpt_lab.selective import RECOMPUTE, SAVE, Decision, must_rerun, selective_checkpoint
+from ckpt_lab.selective import (
+    RECOMPUTE,
+    SAVE,
+    Decision,
+    is_autocast_weight_cast,
+    must_rerun,
+    selective_checkpoint,
+)
 
 __all__ = [
     "CostCounter",
@@ -165,8 +176,10 @@ class _ProfileMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        # The same ops the selective policy skips, so positions line up with it.
-        if func in SAC_IGNORED_OPS:
+        # The same ops the selective policy skips, so positions line up with it; and autocast's weight
+        # casts, which the real run may take from autocast's cache instead (NOTE [ Autocast's weight
+        # casts ] in selective.py): ``PlanPolicy`` counts without them.
+        if func in SAC_IGNORED_OPS or is_autocast_weight_cast(func, args, kwargs):
             return out
         rerun = must_rerun(func, args, kwargs, out)
         # Bytes per new storage (a multi-output op like native_layer_norm owns several).
@@ -208,7 +221,8 @@ def profile(
 
     ``cost="flops"`` is exact and the same on every machine; ``cost="time"`` times each op
     ``repeats`` more times (noisy, machine-dependent, but it sees memory-bound ops as they are;
-    in-place and random ops count 0 there, see ``_ProfileMode``).
+    in-place and random ops count 0 there, see ``_ProfileMode``). The model is left as it was:
+    see NOTE [ Profiling leaves no trace ].
     """
     if cost not in ("flops", "time"):
         raise ValueError(f"profile: cost must be 'flops' or 'time', not {cost!r}.")
@@ -220,8 +234,9 @@ def profile(
         last_pack[0] = len(mode.rows) - 1
         return tensor
 
-    # The RNG is forked (CPU and the inputs' devices) so profiling leaves the caller's stream alone.
-    with fork_rng(tensor_devices(args, kwargs)), torch.enable_grad():
+    # The profiling mode inside the one that undoes writes: the ops it runs again to time them (a
+    # batch norm, which writes its running statistics) are undone too.
+    with _leaving_no_trace(args, kwargs), torch.enable_grad():
         with saved_tensors_hooks(pack, lambda t: t), mode:
             out = function(*args, **kwargs)
     # The returned storages, each with the op that made it (by the latest maker of its key: a key is
@@ -243,6 +258,82 @@ def profile(
     return Profile(function, ops, input_bytes, "FLOPs" if cost == "flops" else "seconds")
 
 
+# NOTE [ Profiling leaves no trace ]
+# Profiling runs the function once more (``profile_sequential`` twice per block), in training mode
+# if the model is in it, and whatever that run changes outside the function would stay changed:
+# BatchNorm's running statistics and ``num_batches_tracked`` (one batch too many), a step counter
+# kept in a tensor, the random generators dropout draws from, autocast's cache of weight casts.
+# ``plan()`` is a dry run, so ``_leaving_no_trace`` undoes each of them:
+#
+# * the CPU generator and those of the inputs' devices are forked (``fork_rng``);
+# * tensors from outside written in place: ``_UndoWrites``, a dispatch mode, copies the storage of
+#   each before the first op writes it (the schema says which arguments an op writes, and
+#   ``_aten.op_info`` adds batch norm's unmarked writes to its running statistics) and copies the
+#   bytes back at the end, with the tensors' version counters: the module keeps its own buffer
+#   tensors, an EMA copy or DDP holding them sees nothing, and a graph built before ``plan()``
+#   that saved one of them still passes autograd's version check;
+# * autocast's cache is off, so no cast made here is served to the real run later (with it on, the
+#   real run would find its weights' casts cached and run none of the ops the plan counted);
+# * gradients: no backward runs; train/eval flags: nothing sets them.
+#
+# Blind spots: state that is not a tensor (a Python int counted up in ``forward``), explicit
+# ``torch.Generator`` objects, writes made by something other than an aten op. Copying a written
+# storage costs its bytes for the length of the profile (BatchNorm's: two vectors and a count).
+@contextlib.contextmanager
+def _leaving_no_trace(*inputs: Any) -> Iterator[None]:
+    """Undo what a dry run of a function changes. See NOTE [ Profiling leaves no trace ]."""
+    cache_enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        with fork_rng(tensor_devices(*inputs)), _UndoWrites():
+            yield
+    finally:
+        torch.set_autocast_cache_enabled(cache_enabled)
+
+
+class _UndoWrites(TorchDispatchMode):
+    """Keep a copy of every outside storage an op writes, and its tensors' versions; put them back on
+    exit. "Outside": not made by an op inside the mode. See NOTE [ Profiling leaves no trace ]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Storages made inside, by key, each with a weak reference: a key can be reused once its
+        # storage is freed, and a storage from outside must not be mistaken for a freed inside one.
+        self.made: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        # key -> (the outside storage, a copy of its bytes before the first write).
+        self.saved: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        # id(tensor) -> (tensor, its version counter before the first write), in order.
+        self.versions: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for tensor, _ in op_info(func).written(args, kwargs):
+            storage = storage_of(tensor)
+            if storage is None or self._made_inside(storage):
+                continue
+            if id(storage) not in self.saved:
+                self.saved[id(storage)] = (storage, storage.clone())
+            self.versions.setdefault(id(tensor), (tensor, tensor._version))
+        out = func(*args, **kwargs)
+        for key, storage in new_storages(args, kwargs, out).items():
+            self.made[key] = weakref.ref(storage)
+        return out
+
+    def _made_inside(self, storage: torch.UntypedStorage) -> bool:
+        ref = self.made.get(id(storage))
+        return ref is not None and ref() is storage
+
+    def __exit__(self, *exc: Any) -> Any:
+        result = super().__exit__(*exc)
+        for storage, copy in self.saved.values():
+            # Storage to storage: no tensor's version counter moves.
+            storage.copy_(copy)
+        # Views share one counter: put the earliest version noted back last.
+        for tensor, version in reversed(self.versions.values()):
+            torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
+        return result
+
+
 def profile_sequential(
     functions: Sequence[Callable[[torch.Tensor], torch.Tensor]], input: torch.Tensor, cost: str = "flops"
 ) -> tuple[Profile, ...]:
@@ -251,8 +342,8 @@ def profile_sequential(
     x = input
     for function in functions:
         profiles.append(profile(function, x, cost=cost))
-        # The next block's profile needs this block's output; no graph is kept.
-        with torch.no_grad(), fork_rng(tensor_devices(x)):
+        # The next block's profile needs this block's output; no graph is kept, and no trace is left.
+        with torch.no_grad(), _leaving_no_trace(x):
             x = function(x)
         # In the real run a block boundary requires grad (it depends on parameters): profile it so.
         x = x.detach().requires_grad_(x.is_floating_point())
@@ -359,6 +450,10 @@ class PlanPolicy:
         self.position = itertools.count()
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        # Not in the profile: whether the real run casts a weight depends on autocast's cache (NOTE
+        # [ Autocast's weight casts ] in selective.py); selective_checkpoint never saves one.
+        if is_autocast_weight_cast(op, args, kwargs):
+            return RECOMPUTE
         index = next(self.position)
         ops = self.profile.ops
         expected = ops[index].op if index < len(ops) else None
@@ -409,19 +504,26 @@ class Plan:
         """A fresh policy for one call of region ``region``."""
         return PlanPolicy(self.profiles[region], self.saved[region])
 
-    def __call__(self, *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
+    def __call__(
+        self, *args: Any, preserve_rng_state: bool = True, use_reentrant: bool = False, **kwargs: Any
+    ) -> Any:
         """Run the planned function(s): one region takes the profiled arguments; a chain of regions
-        (``plan_sequential``) takes one input and feeds each region's output to the next."""
+        (``plan_sequential``) takes one input and feeds each region's output to the next.
+        ``use_reentrant`` as ``selective_checkpoint`` takes it (False, or left out)."""
+        options = {"preserve_rng_state": preserve_rng_state, "use_reentrant": use_reentrant}
         if len(self.profiles) == 1:
             function = self.profiles[0].function
-            return selective_checkpoint(
-                function, *args, policy=self.policy(0), preserve_rng_state=preserve_rng_state, **kwargs
+            return selective_checkpoint(function, *args, policy=self.policy(0), **options, **kwargs)
+        if len(args) != 1 or kwargs:
+            # Refused rather than dropped: the blocks of a chain take one tensor each.
+            raise TypeError(
+                f"plan: a plan of {len(self.profiles)} regions (plan_sequential) takes one input, the "
+                f"first block's, and no keyword arguments; got {len(args)} positional and "
+                f"{sorted(kwargs)} keyword arguments."
             )
         (x,) = args
         for region, p in enumerate(self.profiles):
-            x = selective_checkpoint(
-                p.function, x, policy=self.policy(region), preserve_rng_state=preserve_rng_state
-            )
+            x = selective_checkpoint(p.function, x, policy=self.policy(region), **options)
         return x
 
     def torch_context_fn(self, region: int = 0) -> Callable[[], Any]:

@@ -22,6 +22,9 @@ them would change what the re-run computes:
   every random op after it would draw different numbers. torch 2.13's eager SAC does skip them,
   and gives silently wrong gradients for a function that saves one random op and recomputes a later
   one (shown in notebook 05, tested in ``tests/test_selective.py``).
+
+A fourth kind, autocast's casts of weights, runs again *and* is left out of the check that the
+recomputation runs the forward's ops: see NOTE [ Autocast's weight casts ].
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
 from ckpt_lab._aten import is_view, tensors_in
-from ckpt_lab.nonreentrant import CheckpointError, checkpoint
+from ckpt_lab.nonreentrant import CheckpointError, check_use_reentrant, checkpoint
 
 __all__ = [
     "RECOMPUTE",
@@ -46,6 +49,8 @@ __all__ = [
     "Decision",
     "OpContext",
     "Policy",
+    "PolicyError",
+    "is_autocast_weight_cast",
     "is_view",
     "must_rerun",
     "save_ops",
@@ -78,11 +83,29 @@ class OpContext:
 Policy = Callable[..., Decision | CheckpointPolicy | bool]
 
 
+class PolicyError(RuntimeError):
+    """The policy's answer is not a decision, or the policy raised a ``TypeError``.
+
+    Not a ``TypeError`` itself: see NOTE [ Errors raised inside an operator ].
+    """
+
+
+# NOTE [ Errors raised inside an operator ]
+# The policy is called from inside an aten op (``_SaveMode.__torch_dispatch__``). When the function
+# wrote that op as a Python operator -- ``t * 2.0``, ``2.0 * t``, ``t + t`` -- torch's operator
+# wrapper (``_handle_torch_function_and_wrap_type_error_to_not_implemented`` in torch/_tensor.py)
+# catches any ``TypeError`` and returns ``NotImplemented``; Python then tries the reflected operator
+# and reports "unsupported operand type(s) for *: 'Tensor' and 'float'", which says nothing about
+# the policy. So an error about the policy must not be a ``TypeError``: ``PolicyError`` is a
+# ``RuntimeError``, and a ``TypeError`` the policy itself raises is re-raised as one (its cause).
+
+
 def selective_checkpoint(
     function: Callable[..., Any],
     *args: Any,
     policy: Policy | Sequence[torch._ops.OpOverload],
     preserve_rng_state: bool = True,
+    use_reentrant: bool = False,
     **kwargs: Any,
 ) -> Any:
     """``ckpt_lab.checkpoint(function, *args, **kwargs)`` that keeps the outputs ``policy`` saves.
@@ -92,7 +115,10 @@ def selective_checkpoint(
     Backward re-runs the function, serving saved outputs instead of running their ops, each once:
     like torch's SAC, a served output is freed as soon as backward has used it. Unlike torch's SAC,
     backward may run more than once (``retain_graph=True``): later backwards recompute those ops.
+    ``use_reentrant`` is accepted as in torch's call (where SAC needs ``use_reentrant=False``), so
+    this drops in for it; any other value is refused, and is never passed on to ``function``.
     """
+    check_use_reentrant(use_reentrant, "selective_checkpoint")
     chosen = save_ops(policy) if isinstance(policy, (list, tuple)) else policy
     if not callable(chosen):
         raise TypeError(f"selective_checkpoint: policy must be a function or a list of ops, got {policy!r}.")
@@ -128,6 +154,18 @@ def _checked_ops(ops: Sequence[Any]) -> list[torch._ops.OpOverload]:
     return list(ops)
 
 
+def _ask(policy: Policy, index: int, out: Any, func: Any, args: Any, kwargs: Any) -> Decision:
+    """The policy's decision for op ``index``, or a ``PolicyError`` saying why there is none."""
+    try:
+        answer = policy(OpContext(index=index, op_output=out), func, *args, **kwargs)
+    except TypeError as error:
+        # See NOTE [ Errors raised inside an operator ].
+        raise PolicyError(
+            f"selective_checkpoint: the policy raised TypeError for {func} (op {index}): {error}"
+        ) from error
+    return _decision(answer, func, index)
+
+
 def _decision(answer: Any, op: Any, index: int) -> Decision:
     """Turn a policy's answer into a Decision, or explain why it is not one."""
     if isinstance(answer, Decision):
@@ -140,26 +178,69 @@ def _decision(answer: Any, op: Any, index: int) -> Decision:
     if answer in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
         return RECOMPUTE
     if isinstance(answer, CheckpointPolicy):
-        raise TypeError(
+        raise PolicyError(
             f"selective_checkpoint: the policy answered {answer} for {op} (op {index}); CPU offload is "
             "not a per-op decision here. Return SAVE or RECOMPUTE for this op, and to offload, wrap the "
             "call in ckpt_lab.offload.offload_to_cpu() instead."
         )
-    raise TypeError(
-        f"selective_checkpoint: the policy answered {answer!r} for {op} (op {index}), which is not a "
-        "decision. Return ckpt_lab.selective.SAVE or RECOMPUTE, a torch CheckpointPolicy, or a bool "
-        "(True = save). A policy that falls off its end returns None: add a final `return RECOMPUTE`."
+    # The commonest mistake gets its own first sentence.
+    what = "returned None" if answer is None else f"answered {answer!r}"
+    raise PolicyError(
+        f"selective_checkpoint: the policy {what} for {op} (op {index}), which is not a decision. "
+        "Return ckpt_lab.selective.SAVE or RECOMPUTE, a torch CheckpointPolicy, or a bool (True = save). "
+        "A policy that falls off its end returns None: add a final `return RECOMPUTE`."
     )
 
 
 def must_rerun(op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> bool:
     """True for ops a recomputation must run again whatever the policy says: in-place, view, random.
 
-    (And ops that return no tensor: there is nothing to keep.)
+    (And ops that return no tensor: there is nothing to keep; and autocast's weight casts, see
+    NOTE [ Autocast's weight casts ].)
     """
     if op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags:
         return True
-    return not tensors_in(out) or is_view(op, args, kwargs, out)
+    return not tensors_in(out) or is_view(op, args, kwargs, out) or is_autocast_weight_cast(op, args, kwargs)
+
+
+# NOTE [ Autocast's weight casts ]
+# Under ``torch.autocast``, an op that wants a lower-precision copy of an fp32 *leaf that requires
+# grad* (a parameter, or a leaf input) casts it with ``aten._to_copy`` and keeps the copy in a cache
+# until the outermost autocast exits; the next op that wants the same cast takes it from the cache
+# and dispatches no op at all (``cached_cast`` in aten/src/ATen/autocast_mode.cpp). Whether a cast
+# shows up as an op therefore depends on what ran earlier in the same autocast region, not on the
+# function:
+#
+# * backward inside the forward's ``with torch.autocast(...)``: the recomputation finds every cast
+#   of the forward cached and runs none of them;
+# * a weight used before the checkpointed call, in the same region: the forward finds its cast
+#   cached and runs none, the recomputation after the region has exited runs it.
+#
+# Matched op by op, both look like a recomputation that is not the forward (or, had the ops
+# lined up by chance, would serve one op's output for another). So these casts (1) are left out
+# of the sequence a recomputation is checked against and served from: wherever they occur, they
+# simply run (or hit the cache), and (2) are never saved, like the ops of ``must_rerun``. The
+# recomputed values don't change: a cached cast and a fresh one are casts of the same tensor. The
+# policy is still asked about them in the forward, as torch's SAC asks.
+#
+# Recognised by what ``cached_cast`` caches: ``_to_copy`` of an fp32 leaf that requires grad and is
+# not a view, to another floating dtype. Whether autocast is on can't be asked here (inside the op
+# autocast's dispatch key is excluded, so ``torch.is_autocast_enabled()`` reads False); a user's own
+# ``w.to(torch.bfloat16)`` of such a leaf is treated the same, which only means it is never saved.
+def is_autocast_weight_cast(op: Any, args: Any, kwargs: Any) -> bool:
+    """Is this a cast that autocast may take from its cache instead of running? See the NOTE above."""
+    if op is not torch.ops.aten._to_copy.default:
+        return False
+    source, dtype = args[0], kwargs.get("dtype")
+    return (
+        source.dtype == torch.float32
+        and dtype is not None
+        and dtype.is_floating_point
+        and dtype != torch.float32
+        and source.requires_grad
+        and source.is_leaf
+        and not source._is_view()
+    )
 
 
 @dataclass
@@ -185,8 +266,11 @@ class _Cache:
     """What the forward left for the recomputations of one checkpointed call."""
 
     policy: Policy
-    # The op at each position, to check that the re-run runs the same ops.
+    # The op at each position (the policy's ``ctx.index``).
     ops: list[Any] = field(default_factory=list)
+    # The positions a recomputation must meet again, in order: all but autocast's weight casts (NOTE
+    # [ Autocast's weight casts ]). The re-run is checked against them and served by them.
+    replayed: list[int] = field(default_factory=list)
     entries: dict[int, _Entry] = field(default_factory=dict)
 
 
@@ -217,8 +301,9 @@ class _SaveMode(TorchDispatchMode):
             return out
         index = len(self.cache.ops)
         self.cache.ops.append(func)
-        answer = self.cache.policy(OpContext(index=index, op_output=out), func, *args, **kwargs)
-        decision = _decision(answer, func, index)
+        if not is_autocast_weight_cast(func, args, kwargs):
+            self.cache.replayed.append(index)
+        decision = _ask(self.cache.policy, index, out, func, args, kwargs)
         if decision is SAVE and not must_rerun(func, args, kwargs, out):
             leaves, spec = tree_flatten(out)
             leaves = [_alias(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
@@ -251,16 +336,24 @@ class _ServeMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in SAC_IGNORED_OPS:
+        # Whether autocast runs one of its weight casts depends on its cache, not on the function:
+        # see NOTE [ Autocast's weight casts ].
+        if func in SAC_IGNORED_OPS or is_autocast_weight_cast(func, args, kwargs):
             return func(*args, **kwargs)
-        index = next(self.position)
-        expected = self.cache.ops[index] if index < len(self.cache.ops) else None
+        step = next(self.position)
+        # The op's position as the policy saw it in the forward; None once the re-run outruns it.
+        index = self.cache.replayed[step] if step < len(self.cache.replayed) else None
+        expected = self.cache.ops[index] if index is not None else None
         if func is not expected:
+            differs = (
+                f"Op {index} was {expected} in the forward and is {func} in the recomputation."
+                if index is not None
+                else f"The forward ran {len(self.cache.ops)} ops; the recomputation runs more, {func} next."
+            )
             raise CheckpointError(
-                f"selective_checkpoint: the recomputation is not the forward. Op {index} was "
-                f"{expected} in the forward and is {func} in the recomputation. Make the function "
-                "deterministic (no branches on Python state that changes between calls), or don't "
-                "checkpoint it."
+                f"selective_checkpoint: the recomputation is not the forward. {differs} Make the "
+                "function deterministic (no branches on Python state that changes between calls), or "
+                "don't checkpoint it."
             )
         # Served once: from here on backward holds the only reference and frees it after use, as it
         # frees any recomputed tensor. A second backward (retain_graph=True) finds no entry and runs
