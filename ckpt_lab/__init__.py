@@ -20,6 +20,7 @@ The instruments every notebook measures with (``ckpt_lab.instruments``, notebook
 ``ckpt_lab.bench`` (workloads, the registry of strategies, ``python -m ckpt_lab.bench``).
 """
 
+from ckpt_lab.explain import explain as explain
 from ckpt_lab.instruments.counting import CallCounter, OpCounter, count_flops
 from ckpt_lab.instruments.memory import LiveMemory, MemoryReport, measure_memory
 from ckpt_lab.instruments.saved import SavedTensorLog
