@@ -4,9 +4,9 @@ The public API (names and signatures are stable), in the order the notebooks bui
 
 * ``reentrant_checkpoint(function, *args, preserve_rng_state=True)`` -- notebook 02 (``reentrant``)
 * ``checkpoint_sequential(functions, segments, input, use_reentrant=False, preserve_rng_state=True)``
-  -- notebook 02 (``sequential``)
-* ``checkpoint(function, *args, preserve_rng_state=True, context_fn=None, **kwargs)`` -- notebook 03b
-  (``nonreentrant``)
+  -- notebook 02b (``sequential``)
+* ``checkpoint(function, *args, preserve_rng_state=True, context_fn=None, use_reentrant=False, **kwargs)``
+  -- notebook 03b (``nonreentrant``)
 * ``gradient_checkpoint_scope()`` -- notebook 04 (``scope``)
 * ``selective_checkpoint(function, *args, policy, ...)`` -- notebook 05 (``selective``), with the
   modules ``planner`` (an eager memory-budget planner), ``offload`` (saved tensors to CPU) and
@@ -16,8 +16,10 @@ The public API (names and signatures are stable), in the order the notebooks bui
 
 The instruments every notebook measures with (``ckpt_lab.instruments``, notebook 01):
 ``LiveMemory``, ``measure_memory``, ``SavedTensorLog``, ``CallCounter``, ``OpCounter``,
-``count_flops``. The harness lives apart: ``ckpt_lab.helpers`` (notebook helpers) and
-``ckpt_lab.bench`` (workloads, the registry of strategies, ``python -m ckpt_lab.bench``).
+``count_flops``; and ``explain(function, *args)``, which lists what one training step keeps between
+forward and backward, storage by storage, and why (``ckpt_lab.explain``). The harness lives apart:
+``ckpt_lab.helpers`` (notebook helpers) and ``ckpt_lab.bench`` (workloads, the registry of
+strategies, ``python -m ckpt_lab.bench``).
 """
 
 from ckpt_lab.explain import explain as explain
@@ -40,6 +42,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_sequential",
     "count_flops",
+    "explain",
     "gradient_checkpoint_scope",
     "measure_memory",
     "reentrant_checkpoint",
