@@ -14,33 +14,30 @@
 # %% [markdown]
 # # 01 · Why a custom `autograd.Function`'s output requires grad although `forward` ran without grad
 #
-# **TL;DR.** `Function.apply` is C++ (`THPFunction_apply`) and does three things, in this order:
+# **TL;DR.** `Function.apply` (C++: `THPFunction_apply`) does three things, in order:
 #
-# 1. it decides whether the call is **executable** for autograd: grad mode is on *and* at least one
-#    tensor input requires grad;
-# 2. it runs your `forward` with grad mode (and forward-mode AD) **off**, so the ops inside record
-#    nothing: inside `forward`, results have `requires_grad=False`;
-# 3. it **wraps the outputs**: if the call is executable, every differentiable output gets the
-#    Function's backward node as `grad_fn`, so outside, `requires_grad=True`. If it is not (no input
-#    requires grad, or `apply` ran under `no_grad`), nothing is attached and nothing is saved.
+# 1. it decides whether the call is **executable**: grad mode on *and* some tensor input requires grad;
+# 2. it runs `forward` with grad mode and forward-mode AD **off**: results inside have
+#    `requires_grad=False`;
+# 3. it **wraps the outputs**: if executable, each differentiable output gets the Function's
+#    backward node as `grad_fn` (so `requires_grad=True` outside); if not, nothing is attached or saved.
 #
-# The reentrant `torch.utils.checkpoint` (`use_reentrant=True`, still torch 2.13's default) *is*
-# such a Function, so its output follows this rule. Grad mode is off inside `forward` because your
-# `backward` replaces whatever graph `forward` would build: not building it saves the graph's nodes,
-# the tensors its ops would save, and the forward's peak memory; it does not change what is kept
-# after `apply` returns.
+# The reentrant checkpoint (`use_reentrant=True`; torch 2.13 warns and runs it when `use_reentrant`
+# is omitted) is such a Function. Grad is off in `forward` because `backward` replaces the graph
+# `forward` would build: skipping it saves the graph's nodes, saved tensors and forward peak, not
+# what is kept after `apply` returns.
 #
-# You will be able to predict `requires_grad` for any custom Function's outputs, point to the C++
-# that decides it, and measure what the grad-off `forward` saves.
+# You will predict `requires_grad` for any Function's outputs, find the C++ that decides it, and
+# measure what a grad-off `forward` saves.
 #
 # **Questions answered here**, from two PyTorch forum threads:
 #
 # | question | thread | section |
 # |---|---|---|
-# | The checkpointed block runs under `torch.no_grad()`; why does its output have `requires_grad=True`? | "About the implementation of activation checkpointing" | §1, §5 |
-# | Why is it `False` when no input requires grad? | same | §2, §3, §5 |
-# | Why is `output.requires_grad` `False` inside `forward` but `True` outside? | "Tensor.requires_grad in torch.autograd.Function" | §1 |
-# | Where is the `no_grad` that wraps `forward`? Where is the grad metadata attached (C++)? | same | §2 |
+# | Why does a checkpointed block's output require grad although the block runs under `torch.no_grad()`? | "About the implementation of activation checkpointing" | §1, §5 |
+# | … and not when no input requires grad? | same | §2, §3, §5 |
+# | Why is `output.requires_grad` `False` inside `forward`, `True` outside? | "Tensor.requires_grad in torch.autograd.Function" | §1 |
+# | Where is the `no_grad` around `forward`; where is the grad metadata attached (C++)? | same | §2 |
 # | Why is it designed so? To save GPU memory? | same | §4 |
 # | How do `autograd.Function` and `torch.utils.checkpoint` relate; how does `CheckpointFunction` save memory? Is its inner `no_grad` redundant? | same | §5 (built in notebook 02) |
 # | Why is PyTorch moving checkpointing away from `autograd.Function`? | same | notebook 03b |
@@ -49,19 +46,15 @@
 import timeit
 import warnings
 
+import graphviz
 import matplotlib.pyplot as plt
 import torch
+from IPython.display import Image
 from torch import nn
 
-from ckpt_lab.grad_rule import (
-    InputSpec,
-    LinearFunction,
-    OutputSpec,
-    predict_needs_input_grad,
-    predict_requires_grad,
-)
+from ckpt_lab.grad_rule import InputSpec, LinearFunction, OutputSpec, predict_requires_grad
 from ckpt_lab.helpers.show import show_source
-from ckpt_lab.helpers.viz import draw_graph, plot_timeline, save_figure
+from ckpt_lab.helpers.viz import draw_graph, plot_timeline, save_figure, save_png
 from ckpt_lab.instruments import LiveMemory, OpCounter, SavedTensorLog, measure_memory
 
 _ = torch.manual_seed(0)
@@ -70,22 +63,18 @@ print("torch", torch.__version__)
 # %% [markdown]
 # ## 1. Inside `forward` vs outside `apply`
 #
-# The `LinearFunction` of the second thread (from the PyTorch docs' custom-Function tutorial, typos
-# fixed) lives in `ckpt_lab.grad_rule`. Its `forward` is three lines; instead of printing, it then
-# appends what it saw (grad mode, and `requires_grad` of input, weight and output) to
-# `LinearFunction.observations`. `setup_context` saves input, weight and bias; `backward` is the
-# tutorial's.
+# The second thread's `LinearFunction` (the PyTorch docs' custom-Function tutorial, typos fixed), in
+# `ckpt_lab.grad_rule`, appends what its three-line `forward` saw (grad mode; `requires_grad` of
+# input, weight, output) to `LinearFunction.observations`; `setup_context` saves input, weight and
+# bias; `backward` is the tutorial's.
 
 # %%
 show_source(LinearFunction, start="def forward", stop="LinearFunction.observations.append")
 
 # %%
 LinearFunction.observations.clear()
-x = torch.rand(2, 128, requires_grad=True)
-weight = torch.rand(256, 128, requires_grad=True)
-bias = torch.rand(256, requires_grad=True)
+x, weight, bias = (torch.rand(*shape, requires_grad=True) for shape in [(2, 128), (256, 128), (256,)])
 out = LinearFunction.apply(x, weight, bias)
-
 (inside,) = LinearFunction.observations
 print(f"inside forward: grad mode on={inside.grad_enabled}, input/weight/output requires_grad="
       f"{inside.input_requires_grad}/{inside.weight_requires_grad}/{inside.output_requires_grad}")
@@ -93,10 +82,9 @@ print(f"outside apply:  out.requires_grad={out.requires_grad}, out.grad_fn={type
 
 # %% [markdown]
 # Inside `forward`, grad mode is **off**: `mm` sees inputs that require grad and still returns a
-# tensor that does not, because nothing is recorded while grad mode is off. After `apply` returns,
-# the same values come back in a tensor whose `grad_fn` is `LinearFunctionBackward`, the node that
-# will call our `backward`. In the graph, that one node stands for everything `forward` did; the
-# `mm`, `add` and `expand` inside it left no trace:
+# tensor that does not. After `apply`, the same values come back with `grad_fn`
+# `LinearFunctionBackward`, the node that will call our `backward`. In the graph it stands for all
+# of `forward`; the `mm`, `add` and `expand` inside left no trace:
 
 # %%
 draw_graph(out.sum(), {"x": x, "weight": weight, "bias": bias}, name="01_linear_function_graph")
@@ -112,16 +100,13 @@ print("gradients equal nn.functional.linear's:", all(map(torch.allclose, grads, 
 # %% [markdown]
 # ## 2. What `apply` does, in order
 #
-# A probe Function records, inside `forward`, grad mode and forward-mode-AD mode (the switch
-# behind `torch.autograd.forward_ad`; `torch._C._is_fwd_grad_enabled` reads it), and calls
-# `save_for_backward(x)`. We call it twice: once with an input that requires grad, once without,
-# and count with `SavedTensorLog` (a saved-tensor hook that logs every tensor autograd keeps for
-# backward) what was saved.
+# A probe Function records grad mode and forward-mode-AD mode (behind `torch.autograd.forward_ad`;
+# `torch._C._is_fwd_grad_enabled` reads it) inside `forward`, and calls `save_for_backward(x)`.
+# `SavedTensorLog` (a saved-tensor hook logging every tensor autograd keeps for backward) counts the
+# saves, with an input that requires grad and with one that does not:
 
 # %%
-class Probe(torch.autograd.Function):
-    seen: dict = {}  # noqa: RUF012
-
+class Probe(torch.autograd.Function):  # no backward: never differentiated (it would raise)
     @staticmethod
     def forward(ctx, x):
         y = x * 2
@@ -129,11 +114,6 @@ class Probe(torch.autograd.Function):
                       "y.requires_grad": y.requires_grad}
         ctx.save_for_backward(x)
         return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        return grad_y * 2
-
 
 runs = {}
 for requires_grad in (True, False):
@@ -144,109 +124,90 @@ for requires_grad in (True, False):
     print(f"input requires grad={requires_grad!s:5}:", runs[requires_grad])
 
 # %% [markdown]
-# The picture puts those measurements on the steps of `THPFunction_apply` (the C++ behind `apply`),
-# in the order they run:
+# The picture puts those measurements on the steps of `THPFunction_apply`, in the order they run:
 
 # %%
-def box(ax, x, y, text, color):
-    ax.text(x, y, text, ha="center", va="center", fontsize=8.5, family="monospace",
-            bbox={"boxstyle": "round,pad=0.5", "fc": color, "ec": "0.3"})
-
-
 ex, no = runs[True], runs[False]
-steps = [
-    ("1 executable check\nis_executable =\n GradMode::is_enabled() &&\n any input requires grad", "#dbe9f6",
+steps = [  # (what the C++ does, what the probe measured)
+    ("1 executable check\nis_executable =\n GradMode::is_enabled() &&\n any input requires grad",
      "input requires grad: True / False"),
-    ("2 call forward under\nAutoGradMode(false)\nAutoFwGradMode(false)", "#fde7c8",
+    ("2 call forward under\nAutoGradMode(false)\nAutoFwGradMode(false)",
      f"inside: grad={ex['grad']}, fw_grad={ex['fw_grad']}\ny.requires_grad={ex['y.requires_grad']}"),
     ("3 _wrap_outputs(...,\n is_executable ? cdata\n             : nullptr)\n→ set_history →\n"
-     "impl::set_gradient_edge", "#d9f0d3",
-     f"executable: grad_fn={ex['grad_fn']}\nnot: requires_grad={no['out_requires_grad']}, "
-     f"grad_fn={no['grad_fn']}"),
-    ("4 _save_variables\n(save_for_backward,\n only if executable)", "#eadcf2",
+     "impl::set_gradient_edge", f"executable: grad_fn={ex['grad_fn']}\nnot: requires_grad="
+     f"{no['out_requires_grad']}, grad_fn={no['grad_fn']}"),
+    ("4 _save_variables\n(save_for_backward,\n only if executable)",
      f"saved: {ex['saved']} tensor / {no['saved']} tensors"),
 ]
+colors = ["#dbe9f6", "#fde7c8", "#d9f0d3", "#eadcf2"]
 fig, ax = plt.subplots(figsize=(12, 3.3))
-for i, (text, color, measured) in enumerate(steps):
-    box(ax, 1.5 + 3 * i, 1.25, text, color)
+for i, ((text, measured), color) in enumerate(zip(steps, colors, strict=True)):
+    ax.text(1.5 + 3 * i, 1.25, text, ha="center", va="center", fontsize=8.5, family="monospace",
+            bbox={"boxstyle": "round,pad=0.5", "fc": color, "ec": "0.3"})
     ax.text(1.5 + 3 * i, 0.05, measured, ha="center", va="center", fontsize=8, color="0.2")
     if i:
         ax.annotate("", (0.35 + 3 * i, 1.25), (-0.35 + 3 * i, 1.25), arrowprops={"arrowstyle": "->"})
-ax.set_xlim(0, 12)
-ax.set_ylim(-0.45, 2.2)
 ax.axis("off")
-ax.set_title("Function.apply, in order (bottom row: measured with an input that requires grad / does not)")
+ax.set(xlim=(0, 12), ylim=(-0.45, 2.2),
+       title="Function.apply, in order (bottom row: measured with an input that requires grad / does not)")
 save_figure(fig, "01_apply_sequence")
 plt.show()
 
 # %% [markdown]
-# Where each step lives in C++ (links go to the v2.5.0 release; later releases keep these names,
-# though the executable check may be written inline):
+# Where each step lives in C++ (links to the v2.5.0 release; later releases keep the names, though
+# the executable check may be inline):
 #
 # 1. **The executable check.** `unpack_input` in
-#    [`torch/csrc/autograd/python_function.cpp`](https://github.com/pytorch/pytorch/blob/v2.5.0/torch/csrc/autograd/python_function.cpp)
-#    sets `is_executable = GradMode::is_enabled() && any_variable_requires_grad(input_vars)`,
-#    *before* `forward` runs. This is the switch behind "no input requires grad, so the output does
-#    not either" (the first thread's second observation), and behind `apply` under `no_grad()`.
-# 2. **The "`no_grad`" the second thread looks for.** `THPFunction_apply` calls `forward` inside a
-#    C++ block that opens with two RAII guards, `AutoGradMode grad_mode(false);` and
-#    `at::AutoFwGradMode fw_grad_mode(false);`. There is no Python `with torch.no_grad()`.
-# 3. **Where the metadata is attached.** After `forward`, `process_outputs` calls the file's own
-#    `_wrap_outputs`, which passes `is_executable ? cdata : nullptr` (`cdata` is the Function's
-#    backward node) on to `_wrap_outputs` in
-#    [`torch/csrc/autograd/custom_function.cpp`](https://github.com/pytorch/pytorch/blob/v2.5.0/torch/csrc/autograd/custom_function.cpp).
-#    There a lambda named `set_history` calls `impl::set_gradient_edge(var, {cdata, output_nr})` on
-#    each differentiable output: that sets `grad_fn` and makes `requires_grad` true. With `nullptr`
-#    it attaches nothing. (The answer in the thread links lines 355–362 of `custom_function.cpp` at
-#    an older commit, `d9c0e37`; line numbers move between versions, so the links here go to a
-#    release tag and name the functions.)
-# 4. **Saving.** Tensors passed to `save_for_backward` become `SavedVariable`s after the wrapping,
-#    and only if the call is executable: hence 0 saved tensors above when the input did not require
-#    grad.
+#    [`python_function.cpp`](https://github.com/pytorch/pytorch/blob/v2.5.0/torch/csrc/autograd/python_function.cpp)
+#    sets `is_executable = GradMode::is_enabled() && any_variable_requires_grad(input_vars)`
+#    *before* `forward` runs: the first thread's second observation, and `apply` under `no_grad()`.
+# 2. **The "`no_grad`" the second thread looks for**: two RAII guards, `AutoGradMode
+#    grad_mode(false);` and `at::AutoFwGradMode fw_grad_mode(false);`, open the C++ block of
+#    `THPFunction_apply` that calls `forward`. There is no Python `with torch.no_grad()`.
+# 3. **Where the metadata is attached.** After `forward`, `process_outputs` calls this file's
+#    `_wrap_outputs`, which passes `is_executable ? cdata : nullptr` (`cdata`: the backward node) to
+#    `_wrap_outputs` in
+#    [`custom_function.cpp`](https://github.com/pytorch/pytorch/blob/v2.5.0/torch/csrc/autograd/custom_function.cpp).
+#    There the lambda `set_history` calls `impl::set_gradient_edge(var, {cdata, output_nr})` on each
+#    differentiable output, setting `grad_fn` and so `requires_grad`; `nullptr` attaches nothing.
+#    (The thread's answer links lines 355–362 of that file at commit `d9c0e37`; lines move, so we
+#    link a release tag and name the functions.)
+# 4. **Saving.** `save_for_backward`'s tensors become `SavedVariable`s after the wrapping, only if
+#    the call is executable: 0 saves above when the input did not require grad.
 
 # %% [markdown]
 # ## 3. The rule, case by case
 #
-# An output gets the node when the call is executable and the output is *differentiable* (a
-# floating or complex tensor not marked with `ctx.mark_non_differentiable`). The first thread's
-# `MyCheckpointFunction`, made runnable (`forward` needs `@staticmethod`, and a Function needs a
-# `backward`), shows the executable check from the outside:
+# An output gets the node when the call is executable and the output is *differentiable* (floating
+# or complex, not marked with `ctx.mark_non_differentiable`). The first thread's
+# `MyCheckpointFunction`, made runnable (`forward` needs `@staticmethod`; without a `backward`,
+# backward would raise `NotImplementedError`), shows the executable check from outside:
 
 # %%
-class MyCheckpointFunction(torch.autograd.Function):
-    """The first thread's demo: forward adds one under an explicit no_grad."""
-
+class MyCheckpointFunction(torch.autograd.Function):  # the first thread's demo
     @staticmethod
     def forward(ctx, x):
         with torch.no_grad():
             y = x + 1
         return y
-
     @staticmethod
     def backward(ctx, grad_y):
         return grad_y
 
-
 f = MyCheckpointFunction.apply
-print("input requires grad    -> output requires grad:", f(torch.randn(1, requires_grad=True)).requires_grad)
-print("input doesn't          -> output requires grad:", f(torch.randn(1)).requires_grad)
 with torch.no_grad():
     out = f(torch.randn(1, requires_grad=True))
-print("apply under no_grad()  -> output requires grad:", out.requires_grad)
+print("output requires grad: input requires grad ->", f(torch.randn(1, requires_grad=True)).requires_grad,
+      "| input doesn't ->", f(torch.randn(1)).requires_grad, "| apply under no_grad() ->", out.requires_grad)
 
 # %% [markdown]
-# The rest of the rule, with the knobs `ctx` offers:
-#
-# * `ctx.mark_non_differentiable(t)`: `t` never gets the node (think of `sort`'s indices);
-# * an integer output can never require grad;
-# * returning an input *as-is* gives back a **new** tensor (a view of the input) that carries the
-#   node, so the graph stays correct;
-# * `ctx.needs_input_grad` tells `backward` which inputs want a gradient.
+# The rest of the rule, with the knobs `ctx` offers: `ctx.mark_non_differentiable(t)` keeps the node
+# from `t` (think of `sort`'s indices); an integer output never requires grad; an input returned
+# *as-is* comes back as a **new** tensor (a view) carrying the node, so the graph stays correct;
+# `ctx.needs_input_grad` tells `backward` which inputs want a gradient.
 
 # %%
-class SortWithIndices(torch.autograd.Function):
-    """Values are differentiable, indices are not; also returns its input unchanged."""
-
+class SortWithIndices(torch.autograd.Function):  # values differentiable, indices not, input as-is
     @staticmethod
     def forward(ctx, x):
         values, indices = x.sort()
@@ -254,12 +215,10 @@ class SortWithIndices(torch.autograd.Function):
         ctx.save_for_backward(indices)
         SortWithIndices.last_needs_input_grad = ctx.needs_input_grad
         return values, indices, x
-
     @staticmethod
     def backward(ctx, grad_values, grad_indices, grad_x):
         (indices,) = ctx.saved_tensors
         return torch.zeros_like(grad_values).scatter(-1, indices, grad_values) + grad_x
-
 
 x = torch.tensor([3.0, 1.0, 2.0], requires_grad=True)
 values, indices, same = SortWithIndices.apply(x)
@@ -271,22 +230,14 @@ print("ctx.needs_input_grad:", SortWithIndices.last_needs_input_grad)
 # %% [markdown]
 # ### The rule as a model, checked against torch
 #
-# `ckpt_lab.grad_rule.predict_requires_grad` is a pure-Python model of the wrapping step: given the
-# inputs, the outputs and grad mode, it says whether each output will require grad, and why (the
-# tests check it against torch on hundreds of random cases with hypothesis). Its decision, after
-# computing `executable` as in step 1 and the output's dtype:
-
-# %%
-show_source(predict_requires_grad, start="if not grad_enabled:", stop="return verdicts")
-
-
-# %% [markdown]
-# `torch_says` builds a Function with the given outputs, calls it, and reads `requires_grad` off the
-# results; the model and torch agree on every case:
+# `ckpt_lab.grad_rule.predict_requires_grad` models the wrapping step in Python: whether each output
+# will require grad, and why (the tests check it against torch on hundreds of random cases with
+# hypothesis). `torch_says` asks torch: it builds a Function with the given outputs, calls it, reads
+# `requires_grad` off the results. They agree on every case:
 
 # %%
 def torch_says(inputs, outputs, grad_enabled):
-    class Probe(torch.autograd.Function):
+    class Probe(torch.autograd.Function):  # no backward: only its outputs' flags are read
         @staticmethod
         def forward(ctx, *args):
             results = [args[o.returns_input] if o.returns_input is not None
@@ -294,15 +245,9 @@ def torch_says(inputs, outputs, grad_enabled):
             marked = [r for r, o in zip(results, outputs, strict=True) if o.non_differentiable]
             ctx.mark_non_differentiable(*marked)
             return tuple(results)
-
-        @staticmethod
-        def backward(ctx, *grads):
-            return (None,) * len(inputs)
-
     args = [torch.zeros(2, requires_grad=i.requires_grad) if i.is_tensor else 1.0 for i in inputs]
     with torch.set_grad_enabled(grad_enabled):
         return [r.requires_grad for r in Probe.apply(*args)]
-
 
 # %%
 grad_in, plain_in = InputSpec(requires_grad=True), InputSpec()
@@ -314,32 +259,55 @@ cases = {
     "marked non-differentiable": ([grad_in], [OutputSpec(non_differentiable=True)], True),
     "returns a no-grad input as-is": ([grad_in, plain_in], [OutputSpec(returns_input=1)], True),
 }
-for label, (inputs, outputs, grad_enabled) in cases.items():
+table = []  # per case: number, grad mode, whether a tensor input requires grad, torch's answer
+for number, (label, (inputs, outputs, grad_enabled)) in enumerate(cases.items(), start=1):
     (verdict,) = predict_requires_grad(inputs, outputs, grad_enabled)
     (actual,) = torch_says(inputs, outputs, grad_enabled)
     assert verdict.requires_grad == actual
-    print(f"{label:30} requires_grad={actual!s:5} because {verdict.reason}")
+    table.append((number, grad_enabled, any(i.is_tensor and i.requires_grad for i in inputs), actual))
+    print(f"{number} {label:30} requires_grad={actual!s:5} because {verdict.reason}")
+
+# %% [markdown]
+# The rule as a decision diagram: each case above is routed by its facts (grad mode, inputs,
+# torch's answer) to its leaf, which lists the case numbers and their `requires_grad`:
+
+# %%
+# the leaf of each (executable, torch's answer); a case that fits none would raise KeyError
+leaf = {(False, False): "not_exec", (True, False): "not_diff", (True, True): "wrapped"}
+at = {name: "\\ncases " + ", ".join(str(n) for n, g, a, rg in table if leaf[g and a, rg] == name)
+      + f"\\nrequires_grad={answer}" for (_, answer), name in leaf.items()}
+dot = f"""digraph {{ node [shape=box, fontname=Helvetica, fontsize=11]; edge [fontname=Helvetica];
+mode [shape=diamond, label="grad mode on\\nwhen apply runs?"];
+anyrg [shape=diamond, label="some tensor input\\nrequires grad?"];
+exe [label="is_executable:\\n_wrap_outputs(..., cdata)", style=filled, fillcolor="#d9f0d3"];
+diff [shape=diamond, label="output differentiable?\\n(floating or complex,\\nnot marked)"];
+node [style=filled, fillcolor="#f6dddd"]; {{rank=same; anyrg; not_exec}}
+not_exec [label="not executable:\\n_wrap_outputs(..., nullptr)\\nno grad_fn, nothing saved{at['not_exec']}"];
+wrapped [label="set_history: grad_fn =\\nthe Function's node{at['wrapped']}", fillcolor="#d9f0d3"];
+not_diff [label="no grad_fn{at['not_diff']}"]; mode -> anyrg [label="yes"]; mode -> not_exec [label="no"];
+anyrg -> exe [label="yes"]; anyrg -> not_exec [label="no"]; exe -> diff;
+diff -> wrapped [label="yes"]; diff -> not_diff [label="no"]; }}"""
+png = graphviz.Source(dot).pipe(format="png")
+save_png(png, "01_requires_grad_rule")  # when regenerating the notebook: images/01_requires_grad_rule.png
+Image(png)
 
 # %% [markdown]
 # ## 4. Why `forward` runs with grad off
 #
-# The answer in the second thread: *"you are providing the backward formula … so we don't need to
-# track autograd information during the forward … mainly for performance … [and] not saving things
-# for backward twice."* Let us measure it. `Sin4` computes `y = sin(sin(sin(sin(x))))`, saves only
-# `x`, and recomputes the chain in `backward` (a checkpoint in miniature). Next to it, two
-# **drafts** that switch grad back on inside `forward`, as `apply` would run it without its guard:
+# The second thread's answer: *"you are providing the backward formula … so we don't need to track
+# autograd information during the forward … mainly for performance … [and] not saving things for
+# backward twice."* Measured: `Sin4` computes `y = sin(sin(sin(sin(x))))`, saves only `x`, and
+# recomputes the chain in `backward` (a checkpoint in miniature). Two **drafts** switch grad back on
+# in `forward`, as if `apply` had no guard; the second also keeps the inner result on `ctx`:
 
 # %%
-def sin4(t):
-    return t.sin().sin().sin().sin()
-
+sin4 = lambda t: t.sin().sin().sin().sin()
 
 class Sin4(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
         return sin4(x)
-
     @staticmethod
     def backward(ctx, grad_y):
         (s,) = ctx.saved_tensors
@@ -347,10 +315,7 @@ class Sin4(torch.autograd.Function):
             grad_y, s = grad_y * s.cos(), s.sin()
         return grad_y
 
-
-class DraftGradOn(torch.autograd.Function):
-    """DRAFT: forward re-enables grad, so its four sins record a graph and save their inputs."""
-
+class DraftGradOn(Sin4):  # DRAFT: grad on in forward, so its four sins record a graph and save inputs
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
@@ -359,25 +324,14 @@ class DraftGradOn(torch.autograd.Function):
         ctx.grad_fn_inside = type(y.grad_fn).__name__
         return y
 
-    backward = Sin4.backward
-
-
-# %% [markdown]
-# The second draft also stores the inner result on `ctx`, as a draft easily does to keep it for later:
-
 # %%
-class DraftKeepsInner(torch.autograd.Function):
-    """DRAFT: grad on inside, and ctx.inner holds the inner result, and with it the inner graph."""
-
+class DraftKeepsInner(Sin4):  # DRAFT: grad on, and ctx.inner holds the inner result, and its graph
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
         with torch.enable_grad():
             ctx.inner = sin4(x.detach().requires_grad_())
         return ctx.inner.detach()
-
-    backward = Sin4.backward
-
 
 x = torch.randn(100_000, requires_grad=True)
 y = DraftGradOn.apply(x)
@@ -387,10 +341,9 @@ print("gradient equals autograd's:", torch.allclose(torch.autograd.grad(y.sum(),
 
 # %% [markdown]
 # `set_history` *replaced* the output's `grad_fn` (`SinBackward0`) with the Function's node: the
-# inner graph has no owner left. Now the three side by side: saves and aten ops during `apply`
-# (`SavedTensorLog`, `OpCounter`), live bytes over the forward (`LiveMemory`, which tracks every
-# storage an aten op creates until it is freed), and `measure_memory` over a whole step (forward,
-# then backward):
+# inner graph has no owner left. Side by side: saves and aten ops during `apply` (`SavedTensorLog`,
+# `OpCounter`), live bytes over the forward (`LiveMemory`: every storage an aten op creates, until
+# freed), and `measure_memory` over forward and backward:
 
 # %%
 variants = {"apply's way (grad off)": Sin4, "draft: grad on inside": DraftGradOn,
@@ -407,35 +360,28 @@ for name, fn in variants.items():
     step = measure_memory(lambda fn=fn: fn.apply(x).sum())
     print(f"{name:24}{log.count:6}{log.activation_bytes:13,}{ops.total:9}{mem.peak_bytes:14,}"
           f"{step.retained_bytes:20,}{step.peak_bytes:11,}")
-del y
 
 # %% [markdown]
-# Read it row by row:
+# * **Grad off** (`apply`'s way): one save, `x` (400,000 bytes, the caller's tensor); the forward
+#   peaks at two 400,000-byte tensors (one `sin`'s input and output); then only the 4-byte loss is
+#   new and alive.
+# * **Grad on, graph discarded**: the same four `sin`s (plus a `detach`), four more saves (each `sin`
+#   saves its input: `x`, `s1`, `s2`, `s3`: +1,200,000 bytes), twice the forward peak (the inner
+#   graph keeps every intermediate until `apply` returns). `set_history` then drops that graph:
+#   **4 bytes kept, as with grad off**, and the same step peak (our `backward`'s).
+# * **Grad on + `ctx.inner`**: 1,600,004 bytes kept; all but the loss's 4 are the draft's own
+#   `ctx.inner`, the inner output and the tensors its graph saved (`s1`, `s2`, `s3`). A cost of the
+#   draft, not of autograd.
 #
-# * **Grad off** (what `apply` does): one save, `x` (400,000 bytes, the caller's tensor); the forward
-#   peaks at two 400,000-byte tensors (one `sin`'s input and output); after the forward only the
-#   4-byte loss is new and alive.
-# * **Grad on, graph discarded**: the same four `sin`s (plus a `detach`), but four more saves (each
-#   `sin` saves its input: `x` again, then `s1`, `s2`, `s3`, +1,200,000 bytes), and the forward peak
-#   doubles, because the inner graph keeps every intermediate alive until `apply` returns. Then
-#   `set_history` drops that graph: kept after forward, **4 bytes, as with grad off**, and the step's
-#   peak (set by our `backward`) is the same.
-# * **Grad on + `ctx.inner`**: 1,600,004 bytes kept after the forward. All but the loss's 4 are
-#   held by the draft's own `ctx.inner`: the inner output and the three tensors its graph saved
-#   (`s1`, `s2`, `s3`). Such a reference makes grad-on look expensive in retained memory, but the
-#   cost is the draft's, not autograd's.
-#
-# So switching grad off saves building a graph that would be thrown away: its nodes, its saved
-# tensors, and the forward's transient peak. It does not change what is kept for backward, which is
-# only what `save_for_backward` names. The timeline shows the difference in the forward:
+# So grad off saves building a graph that would be thrown away (nodes, saved tensors, transient
+# peak); what is kept for backward is only what `save_for_backward` names:
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 2.8))
 for (name, mem), style in zip(forward_mems.items(), ["-", "--", ":"], strict=True):
     plot_timeline(ax, mem, name)
     line = ax.lines[-1]
-    line.set(linestyle=style, linewidth=2.5 if style == "-" else 1.8)
-    # after apply returns: the level it leaves, drawn on to the right edge
+    line.set(linestyle=style, linewidth=2.5 if style == "-" else 1.8)  # then the level apply leaves:
     ax.plot([len(mem.events) - 1, 7], [mem.marks["after apply"] / 1024] * 2, style, color=line.get_color())
 ax.set_title("live KiB during apply (forward only; the output y stays alive)")
 ax.legend(fontsize=8)
@@ -444,8 +390,8 @@ plt.show()
 
 # %% [markdown]
 # Building the graph also costs time, most visibly on small tensors, where bookkeeping dominates
-# the arithmetic (over several runs when this was written, on two shared CPU cores, grad on took 1.3
-# to 2 times as long per call). Timings vary by machine and run; nbval does not compare this cell:
+# (when this was written, on two shared CPU cores, grad on took 1.3 to 2 times as long per call over
+# several runs). Timings vary; nbval does not compare this cell:
 
 # %% tags=["nbval-ignore-output"]
 small = torch.randn(100, requires_grad=True)
@@ -460,12 +406,11 @@ for name, times in seconds.items():
 # ## 5. What this means for checkpointing
 #
 # `torch.utils.checkpoint` with `use_reentrant=True` *is* such a Function (`CheckpointFunction`): it
-# saves its inputs with `save_for_backward`, runs the block in its `forward`, returns the block's
-# output, and runs the block again in `backward` (notebook 02 builds it). That is how it saves
-# memory: grad is off in its `forward`, so none of the block's intermediate tensors is saved, only
-# the inputs, as `Sin4` did in §4. And the first thread's observations follow from the rule above,
-# with nothing checkpoint-specific about them. Its model, made runnable (it lacked
-# `super().__init__()` and a closing bracket):
+# saves its inputs with `save_for_backward`, runs the block in `forward` and again in `backward`
+# (notebook 02 builds it). Grad is off in its `forward`, so it saves only the inputs, none of the
+# block's intermediates (as `Sin4` in §4): that is how it saves memory. The first thread's
+# observations follow from §3's rule alone. Its model, made runnable (it lacked `super().__init__()`
+# and a closing bracket):
 
 # %%
 class Model(nn.Module):
@@ -473,7 +418,6 @@ class Model(nn.Module):
         super().__init__()
         self.linear = nn.Linear(100, 100)
         self.blocks = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 100))
-
     def forward(self, x):
         x = self.linear(x)
         x1 = x2 = x
@@ -486,25 +430,22 @@ class Model(nn.Module):
             print(f"checkpoint requires_grad: {x2.requires_grad}")
         return x2
 
-
 model = Model()
 outs = model(torch.randn(2, 100))
 draw_graph(outs.sum(), dict(model.named_parameters()), name="01_checkpoint_graph")
 
 # %% [markdown]
-# The block ran with grad off, yet its output requires grad: the checkpoint's input `x2` requires
-# grad (it came out of `self.linear`), so the call was executable and the output was wrapped. In the
-# graph each checkpointed block is one `CheckpointFunctionBackward` node whose only edge leads to
-# its input, and the orange box beside it is all it saved: that input, 2 × 100 floats (torchviz
-# draws a Python Function's `saved_tensors` so). The blocks' weights are not in the graph at all:
-# the reentrant backward reaches them by running the block again (notebook 02). When no input requires grad, the call is not executable
-# and the output does not require grad.
+# The block ran with grad off, yet its output requires grad: its input `x2` requires grad (it came
+# out of `self.linear`), so the call was executable. In the graph each checkpointed block is one
+# `CheckpointFunctionBackward` node with one edge, to its input; the orange box beside it, all it
+# saved, is that input, 2 × 100 floats (torchviz draws a Python Function's `saved_tensors` so). The
+# blocks' weights are not in the graph: the reentrant backward reaches them by running the block
+# again (notebook 02). Without an input requiring grad, the output would not require grad.
 #
-# That holds for the **reentrant** checkpoint only. With `use_reentrant=False` (built on
-# saved-tensor hooks, notebook 03b) the block runs with grad **on**, so its output requires grad
-# whenever the block's parameters do, whatever the input. And calling `checkpoint` without
-# `use_reentrant` warns, then uses the reentrant one. Side by side, on a block whose input does not
-# require grad:
+# That holds for the **reentrant** checkpoint only. With `use_reentrant=False` (saved-tensor hooks,
+# notebook 03b) the block runs with grad **on**: its output requires grad whenever its parameters do.
+# Without `use_reentrant`, `checkpoint` warns, then runs the reentrant one. With an input that does
+# not require grad:
 
 # %%
 block, plain_input = nn.Linear(100, 100), torch.randn(2, 100)
@@ -517,26 +458,20 @@ for use_reentrant in (None, True, False):
     print(f"use_reentrant={use_reentrant!s:5}: requires_grad={out.requires_grad!s:5} | warns: {said}")
 
 # %% [markdown]
-# With the reentrant checkpoint, the block's parameters get no gradient here (notebook 02 is about
-# that trap). Last, the second thread asks whether the `with torch.no_grad():` inside
-# `CheckpointFunction.forward` is redundant. It is: `apply` already switched grad mode off. A Function
-# without it, around a block that would save tensors if grad were on:
+# With the reentrant checkpoint the block's parameters get no gradient here (the trap of notebook
+# 02). Last, is the `with torch.no_grad():` inside `CheckpointFunction.forward` redundant (second
+# thread)? Yes: `apply` already switched grad mode off. A Function without it, around a block that
+# would save tensors if grad were on:
 
 # %%
-class WithoutInnerNoGrad(torch.autograd.Function):
+class WithoutInnerNoGrad(torch.autograd.Function):  # no backward: not needed for this check
     @staticmethod
     def forward(ctx, run_function, x):
         ctx.grad_mode_inside = torch.is_grad_enabled()
         return run_function(x)
 
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError("not needed for this check")
-
-
-x = torch.randn(1000, requires_grad=True)
 with SavedTensorLog() as log:
-    y = WithoutInnerNoGrad.apply(lambda t: t.exp().sin(), x)
+    y = WithoutInnerNoGrad.apply(lambda t: t.exp().sin(), torch.randn(1000, requires_grad=True))
 print("grad mode inside forward:", y.grad_fn.grad_mode_inside, "| saved by the block's ops:", log.count,
       "| output requires grad:", y.requires_grad)
 
@@ -545,11 +480,11 @@ print("grad mode inside forward:", y.grad_fn.grad_mode_inside, "| saved by the b
 #
 # | question | answer | shown by |
 # |---|---|---|
-# | Why is `output.requires_grad` False inside `forward`? | `THPFunction_apply` runs `forward` under `AutoGradMode(false)` and `AutoFwGradMode(false)` | §1, §2 (probe: grad=False, fw_grad=False) |
+# | Why is `output.requires_grad` False inside `forward`? | `THPFunction_apply` runs it under `AutoGradMode(false)` and `AutoFwGradMode(false)` | §1, §2 (grad=False, fw_grad=False) |
 # | Why True outside? | `_wrap_outputs(..., is_executable ? cdata : nullptr)` → `set_history` → `impl::set_gradient_edge` gives each differentiable output the Function's node | §1 graph, §2 picture |
-# | When is it False? | not executable (no input requires grad, or `apply` under `no_grad`; then nothing is saved either), non-differentiable or integer outputs | §2 (0 saves), §3 (model = torch) |
-# | Why designed so? | `backward` replaces the inner graph: grad off avoids building it (4 extra saves, 2× forward peak, more time), while what is kept after `apply` is the same (4 bytes) | §4 table and timeline |
-# | Why does a checkpoint's output require grad? | the reentrant `CheckpointFunction` is a Function: same rule; the non-reentrant checkpoint runs the block with grad on | §5 |
+# | When is it False? | not executable (no input requires grad, or `apply` under `no_grad`: nothing saved either); non-differentiable or integer outputs | §2 (0 saves), §3 (model = torch; diagram) |
+# | Why designed so? | `backward` replaces the inner graph; grad off skips building it (4 extra saves, 2× forward peak, more time); kept after `apply`: the same 4 bytes | §4 table, timeline |
+# | Why does a checkpoint's output require grad? | the reentrant `CheckpointFunction` is a Function: same rule; the non-reentrant one runs the block with grad on | §5 |
 # | Is the inner `no_grad` redundant? | yes: grad mode is already off (0 saves without it) | §5 |
 #
 # Next, notebook 02 builds `CheckpointFunction` from scratch and meets its limits.
@@ -558,38 +493,35 @@ print("grad mode inside forward:", y.grad_fn.grad_mode_inside, "| saved by the b
 #
 # ## Appendix: two more `ctx` details (optional)
 #
-# `ctx.set_materialize_grads(False)`: by default, an output that received no gradient reaches
+# `ctx.set_materialize_grads(False)`: by default an output that received no gradient reaches
 # `backward` as a tensor of zeros; with materialization off it arrives as `None`, and `backward` can
 # skip work:
 
 # %%
 class ShowsGrads(torch.autograd.Function):
-    received: list = []  # noqa: RUF012
-
     @staticmethod
     def forward(ctx, x, materialize):
         ctx.set_materialize_grads(materialize)
         return x * 2, x * 3
-
     @staticmethod
     def backward(ctx, grad_a, grad_b):
-        ShowsGrads.received.append((type(grad_a).__name__, type(grad_b).__name__))
-        grad = (grad_a * 2 if grad_a is not None else 0) + (grad_b * 3 if grad_b is not None else 0)
-        return grad, None
-
+        print("backward got:", type(grad_a).__name__, type(grad_b).__name__)
+        return (grad_a * 2 if grad_a is not None else 0) + (grad_b * 3 if grad_b is not None else 0), None
 
 x = torch.ones(2, requires_grad=True)
 for materialize in (True, False):
     a, _b = ShowsGrads.apply(x, materialize)
+    print(f"materialize={materialize}:", end=" ")
     a.sum().backward()  # only `a` is used
-print("grads received by backward (materialize=True, then False):", ShowsGrads.received)
 
 # %% [markdown]
 # `ctx.needs_input_grad` mirrors each input's `requires_grad` and ignores grad mode (a surprise the
-# property test of the model found): under `torch.no_grad()` it can say `True` for a call whose
-# backward will never run:
+# model's property test found): under `torch.no_grad()` it can say `True` for a call whose backward
+# will never run:
 
 # %%
+from ckpt_lab.grad_rule import predict_needs_input_grad
+
 with torch.no_grad():
     _ = SortWithIndices.apply(torch.tensor([3.0, 1.0, 2.0], requires_grad=True))
 print("torch:   ", SortWithIndices.last_needs_input_grad)

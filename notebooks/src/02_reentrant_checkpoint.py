@@ -14,15 +14,12 @@
 # %% [markdown]
 # # 02 · The reentrant checkpoint: one autograd node, and a backward inside a backward
 #
-# **TL;DR.** The reentrant checkpoint is an `autograd.Function` around a block: `forward` runs the
-# block with grad off and saves **only its inputs**; `backward` runs it **again** with grad on, then
-# a second backward pass through that fresh graph, inside the first (*reentrant*). So the output
-# requires grad only if an *input* does, `autograd.grad` is refused, and dropout must be replayed.
-# `torch.utils.checkpoint.checkpoint` without `use_reentrant` runs this variant in torch 2.13, after
-# a warning. One checkpoint around everything saves nothing at the peak; one per block does.
-#
-# You will be able to list what a block keeps, write `CheckpointFunction`, predict when its output
-# requires grad, checkpoint a sub-network safely, and tell where checkpointing saves nothing.
+# **TL;DR.** The reentrant checkpoint is an `autograd.Function` around a block: `forward` runs it
+# with grad off and saves **only its inputs**; `backward` runs it **again** with grad on, then a
+# backward pass through that graph inside the first (*reentrant*). So the output requires grad only
+# if an *input* does, `autograd.grad` is refused, and dropout must be replayed. Without
+# `use_reentrant`, torch 2.13 warns and runs this variant. One checkpoint around everything saves
+# nothing at the peak; one per block does.
 #
 # **Questions answered here**, from three PyTorch forum threads:
 #
@@ -34,71 +31,71 @@
 # | *Tensor.requires_grad in torch.autograd.Function*: how does `CheckpointFunction` save memory? Is its `no_grad` redundant? | §1, §7 |
 # | Why replay the RNG, and why inside a fork? | §8 |
 # | Where does checkpointing save nothing? | §9 |
-# | How many segments (√N)? What does recursive checkpointing cost (O(log N))? | Appendix A, B |
+# | How many segments (√N)? What does recursive checkpointing cost? | notebook 02b |
 
 # %%
 import itertools
-import math
 import warnings
 
+import graphviz
 import matplotlib.pyplot as plt
 import torch
+from IPython.display import Image
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ckpt_lab
-from ckpt_lab import CallCounter, OpCounter, SavedTensorLog, checkpoint_sequential, measure_memory
+from ckpt_lab import OpCounter, SavedTensorLog, measure_memory
 from ckpt_lab.helpers.show import show_source
-from ckpt_lab.helpers.viz import draw_graph, save_figure
+from ckpt_lab.helpers.tensors import all_equal
+from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, save_figure, save_png
 from ckpt_lab.reentrant import CheckpointFunction, reentrant_checkpoint
 
 print("torch", torch.__version__)
 
 
-# %% [markdown]
-# Helpers: a block of `Linear` + `GELU` layers (optionally with dropout), and the gradients of one
-# seeded training step, compared bit for bit.
-
 # %%
 def make_block(layers: int = 4, width: int = 128, dropout: float = 0.0) -> nn.Sequential:
     extra = lambda: [nn.Dropout(dropout)] if dropout else []
     return nn.Sequential(*[m for _ in range(layers) for m in [nn.Linear(width, width), nn.GELU(), *extra()]])
-
 def clear_grads(*tensors):
     for t in tensors:
         t.grad = None
-
-def step_grads(run, x, model, seed=1):
+def show_rows(rows, name):  # per row, a chain of boxes (DOT -> PNG), saved as images/<name>.png
+    dot = "digraph { rankdir=LR; node [shape=box, fontname=Helvetica, fontsize=10]; "
+    for k, (title, boxes) in enumerate(rows.items()):
+        dot += f'subgraph cluster{k} {{ label="{title}"; ' + "".join(f'n{k}{i} [label="{b}"]; '
+                                                                  for i, b in enumerate(boxes))
+        dot += " -> ".join(f"n{k}{i}" for i in range(len(boxes))) + "; } "
+    save_png(png := graphviz.Source(dot + "}").pipe(format="png"), name)
+    return Image(png)
+def step_grads(run, x, model, seed=1):  # the gradients of one seeded training step
     clear_grads(x, *model.parameters())
     _ = torch.manual_seed(seed)
     run(x).sum().backward()
     return [x.grad, *(p.grad for p in model.parameters())]
-
-def all_equal(gs, hs):
-    return all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(gs, hs, strict=True))
 
 
 # %% [markdown]
 # ## 1. What a block keeps for backward, tensor by tensor
 #
 # Four `Linear(128, 128)` + `GELU` on a 512 × 128 input (one activation: 262,144 bytes).
-# `SavedTensorLog.listing()` lists each tensor autograd saves: shape, bytes, the op that made it.
+# `SavedTensorLog.listing()` lists each saved tensor: shape, bytes, the op that made it.
 
 # %%
 _ = torch.manual_seed(0)
-block = make_block()
-x = torch.randn(512, 128, requires_grad=True)
+block, x = make_block(), torch.randn(512, 128, requires_grad=True)
 with SavedTensorLog() as saved_plain:
     _ = block(x)
 with SavedTensorLog() as saved_ckpt:
     _ = reentrant_checkpoint(block, x)
-print("PLAIN\n" + saved_plain.listing() + "\n\nCHECKPOINT\n" + saved_ckpt.listing())
+print("PLAIN\n" + saved_plain.listing() + "\nCHECKPOINT\n" + saved_ckpt.listing())
 
 # %% [markdown]
 # Plain, each `Linear` and `GELU` saves its input: 8 activations. Checkpointed, **one**: the input
-# `x` (the `leaf`). That is how `CheckpointFunction` saves memory; albanD: *"It is by only saving for
-# backward the input."* `measure_memory`: *retained* is what is alive when the forward ends, *peak*
-# the most alive at once over forward + backward (leaf gradients left out).
+# `x` (the `leaf`). That is how `CheckpointFunction` saves memory (albanD: *"It is by only saving for
+# backward the input."*). `measure_memory`: *retained* is what is alive after the forward, *peak* the
+# most alive at once over forward + backward (leaf gradients left out).
 
 # %%
 memory = {}
@@ -113,7 +110,7 @@ print("peak, checkpoint minus plain:", f"{extra_peak:,}", "B =", extra_peak // x
 # Plain keeps seven new activations (1,835,008 bytes; `x` existed before) plus the 4-byte loss;
 # checkpointed, **only the loss**, but the peak is one activation *higher*: backward recomputes the
 # whole block at once (§9). In the graph the block is one node with one edge, to `x`; the eight
-# parameters are **not in the graph**.
+# parameters are **not in it**.
 
 # %%
 loss_ckpt = reentrant_checkpoint(block, x).sum()
@@ -125,15 +122,14 @@ draw_graph(loss_ckpt, {"x": x, **dict(block.named_parameters())}, name="02_check
 # ## 2. What runs when
 #
 # A *graph task* is one run of the autograd engine, started by one `.backward()` or `autograd.grad`
-# call. We log one step of a small block: module pre-hooks log each layer, a pack hook each save,
-# node pre-hooks each backward node (outer graph, and the graph recomputed inside the node).
+# call. We log a step of a small block: module pre-hooks log each layer, a pack hook each save, node
+# pre-hooks each backward node (of the outer graph and of the one recomputed inside the node).
 
 # %%
 events, lane = [], ["forward (grad off)"]
 def log(where, what):
     lane[0] = where
     events.append((where, what))
-
 def hook_graph(root, where):  # a pre-hook on every node reachable from root
     seen, todo = set(), [root]
     while todo:
@@ -141,12 +137,10 @@ def hook_graph(root, where):  # a pre-hook on every node reachable from root
             seen.add(node)
             node.register_prehook(lambda g, n=node: log(where, n.name().split("::")[-1]))
             todo += [n for n, _ in node.next_functions]
-
 def pack(t):
     kind = "weight" if isinstance(t._base, nn.Parameter) else "activation" if t.grad_fn else "input"
     log(lane[0], "save " + kind)
     return t
-
 def layer_runs(module, args):
     log("recompute (grad on)" if torch.is_grad_enabled() else "forward (grad off)", type(module).__name__)
 
@@ -159,10 +153,9 @@ with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
     hook_graph(loss.grad_fn, "backward")
     loss.grad_fn.next_functions[0][0].register_hook(lambda gi, go: log("backward", "returns grad of x"))
     loss.backward()
-print(len(events), "events; the first six:", "; ".join(f"{w}: {what}" for w, what in events[:6]))
 
 # %% [markdown]
-# The same log as a timeline (consecutive events of one lane merged into one box):
+# The log as a timeline (consecutive events of one lane merged into one box):
 
 # %%
 lanes = ["forward (grad off)", "backward", "recompute (grad on)", "nested backward"]
@@ -174,10 +167,6 @@ for where, group in [(w, [e for _, e in g]) for w, g in itertools.groupby(events
     label = "\n".join(f"{group.count(e)}× {e}".removeprefix("1× ") for e in dict.fromkeys(group))
     ax.text(t + len(group) / 2, y, label, ha="center", va="center", fontsize=7)
     t += len(group)
-names = [e for _, e in events]
-left, right = names.index("CheckpointFunctionBackward") + 0.5, names.index("returns grad of x") + 0.5
-ax.add_patch(plt.Rectangle((left, 0.55), right - left, len(lanes) - 1.1, fill=False, linestyle="--"))
-ax.text(left + 0.3, len(lanes) - 0.6, "inside CheckpointFunctionBackward: graph task 2", fontsize=8)
 ax.set(yticks=range(len(lanes)), yticklabels=lanes, xlabel="event, in the order it happened")
 ax.invert_yaxis()
 save_figure(fig, "02_schedule")
@@ -187,7 +176,7 @@ plt.show()
 # 1. **Forward**, grad off: the layers save nothing; the node saves the input.
 # 2. **Graph task 1** runs `SumBackward0`, then `CheckpointFunctionBackward`, which
 # 3. **recomputes** the block with grad on, each layer saving its weight and input, and
-# 4. **runs graph task 2** through that graph (dashed box), down to `AccumulateGrad` for the four
+# 4. **runs graph task 2** through that graph (the last two lanes), down to `AccumulateGrad` for the four
 #    parameters **and** a fresh copy of `x`, whose `.grad` it
 # 5. **returns**; graph task 1 accumulates it into `x.grad`.
 
@@ -210,15 +199,14 @@ class DraftCheckpointGradOnly(torch.autograd.Function):  # DRAFT 1: autograd.gra
         with torch.enable_grad():  # backward runs with grad off; we need a graph
             output = ctx.function(x)
         return None, torch.autograd.grad(output, x, grad_output)[0]  # no gradient for `function`
-
 reference = step_grads(block, x, block)
 draft1 = step_grads(lambda t: DraftCheckpointGradOnly.apply(block, t), x, block)
 print("x.grad equals the plain run's:", torch.equal(draft1[0], reference[0]),
       "| parameters without a gradient:", sum(g is None for g in draft1[1:]), "of", len(draft1) - 1)
 
 # %% [markdown]
-# **The parameters get no gradient**: `backward` returns gradients for the Function's inputs only.
-# (Passed in as inputs, they would get one; not having to pass them is the point.) **Draft 2** runs
+# **The parameters get no gradient**: `backward` returns gradients for the Function's inputs only
+# (passed as inputs, they would get one; not having to pass them is the point). **Draft 2** runs
 # `torch.autograd.backward` on the recomputed graph, which fills `.grad` of every leaf it reaches.
 
 # %%
@@ -230,7 +218,6 @@ class DraftCheckpointNoRNG(DraftCheckpointGradOnly):  # DRAFT 2: a nested backwa
             output = ctx.function(x)
         torch.autograd.backward(output, grad_output)  # the reentrant step: a backward inside a backward
         return None, x.grad
-
 draft2 = step_grads(lambda t: DraftCheckpointNoRNG.apply(block, t), x, block)
 print("all 9 gradients equal the plain run's, bit for bit:", all_equal(draft2, reference))
 _ = torch.manual_seed(0)
@@ -242,21 +229,23 @@ print(f"with dropout: {wrong:,} of {sum(g.numel() for g in reference_dropout):,}
 
 # %% [markdown]
 # With dropout, the recomputation draws *new* masks (§8). `ckpt_lab`'s `CheckpointFunction` is draft
-# 2 grown up; its `forward` also snapshots the RNG and autocast state:
+# 2 grown up (it also keeps non-tensor arguments aside); its `forward` ends by saving the tensors and
+# snapshotting the RNG and autocast state:
 
 # %%
-show_source(CheckpointFunction.forward, start="ctx.function")
+show_source(CheckpointFunction.forward, start="# save_for_backward (not")
 
 # %% [markdown]
-# Its `backward` first refuses `autograd.grad` (§6), then does draft 2's steps with the RNG
-# replayed; the hidden tail pairs outputs with gradients and returns one gradient per argument:
+# Its `backward` first refuses `autograd.grad` (§6), then does draft 2's steps (fresh leaves, whose
+# `.grad` the nested backward fills) with the RNG replayed; the hidden tail pairs outputs with
+# gradients and returns one gradient per argument:
 
 # %%
-show_source(CheckpointFunction.backward, start="# Fresh leaves", stop="# Pair each")
+show_source(CheckpointFunction.backward, start="inputs = list(ctx.inputs)", stop="if isinstance(outputs")
 
 # %% [markdown]
-# `reentrant_checkpoint(function, *args)` is what you call (under `no_grad` it just runs the
-# function). Gradients equal the plain run's bit for bit, with and without dropout:
+# You call `reentrant_checkpoint(function, *args)` (under `no_grad` it just runs the function).
+# Gradients equal the plain run's bit for bit, with and without dropout:
 
 # %%
 for label, model, ref in [("block", block, reference), ("dropout block", dropout_block, reference_dropout)]:
@@ -268,8 +257,9 @@ for label, model, ref in [("block", block, reference), ("dropout block", dropout
 # ## 4. Why the output requires grad, and when it doesn't
 #
 # The thread *"About the implementation of activation checkpointing"* asks why the output requires
-# grad although the block runs under `no_grad`, and not once the input doesn't. It depends on
-# **which** checkpoint runs. A probe looks inside the thread's `Linear` block, under both variants:
+# grad although the block runs under `no_grad`, and not once the input doesn't. That depends on
+# **which** checkpoint runs. A probe inside the thread's `Linear` block, under both variants and
+# with `use_reentrant` left out (`None`):
 
 # %%
 def probe(t):
@@ -278,34 +268,29 @@ def probe(t):
     return result
 _ = torch.manual_seed(0)
 lin = nn.Linear(100, 100)
-print(f"{'':20} | x requires grad | grad mode inside | inside result rg | output rg")
-for reentrant, x_rg in itertools.product((True, False), (True, False)):
-    with warnings.catch_warnings(record=True):
-        out = torch_checkpoint(probe, torch.randn(2, 100, requires_grad=x_rg), use_reentrant=reentrant)
+print("use_reentrant | x requires grad | grad mode inside | inside result rg | output rg")
+for reentrant, x_rg in itertools.product((True, False, None), (True, False)):  # None: left out
+    kwargs = {} if reentrant is None else {"use_reentrant": reentrant}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch_checkpoint(probe, torch.randn(2, 100, requires_grad=x_rg), **kwargs)
     inside, result_rg = probe.seen
-    print(f"use_reentrant={reentrant!s:5} | {x_rg!s:15} | {inside!s:16} | {result_rg!s:16} |",
-          out.requires_grad)
+    print(f"{reentrant!s:13} | {x_rg!s:15} | {inside!s:16} | {result_rg!s:16} |", out.requires_grad)
+print("warnings, use_reentrant left out, x needs no grad (the last run):",
+      *[f"{w.category.__name__}: {w.message}" for w in caught], sep="\n  ")
 
 # %% [markdown]
-# * **`use_reentrant=True`**: the block runs with grad off, but the output is a custom Function's
-#   output, and `apply` attaches `CheckpointFunctionBackward` (notebook 01's rule) if the call is
-#   *executable*: grad mode on and a tensor **argument** requiring grad. Parameters are not
-#   arguments: with an input needing no grad, the output is a constant. The thread's premise (a
-#   block under `no_grad`) and its second observation hold for this variant only.
-# * **`use_reentrant=False`** (notebook 03b): the block runs with grad **on**, and the output requires
-#   grad if anything in the block does (here the weight), **even when no input requires grad**.
+# * **`use_reentrant=True`**: grad is off in the block, but `apply` attaches
+#   `CheckpointFunctionBackward` if the call is *executable*: grad mode on and a tensor **argument**
+#   requiring grad (notebook 01's rule, drawn below). Parameters are not arguments: with an input
+#   needing no grad, the output is a constant. The thread's premise (a block under `no_grad`) and
+#   second observation hold for this variant only.
+# * **`use_reentrant=False`** (notebook 03b): grad is **on** in the block; the output requires grad
+#   if anything in it does (here the weight), **even when no input requires grad**.
+# * **Left out**: torch 2.13 warns, then runs the reentrant variant (the rows of `True`); the second
+#   warning is that variant's own (§5). Pass `use_reentrant` always.
 #
-# Which one does `checkpoint(block, x)` give? In torch 2.13, the reentrant one, after a warning:
-
-# %%
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    out = torch_checkpoint(lin, torch.randn(2, 100))  # no use_reentrant: torch 2.13's default
-print(*[f"{w.category.__name__}: {w.message}" for w in caught], sep="\n")
-print("output requires grad:", out.requires_grad, "(as with use_reentrant=True)")
-
-# %% [markdown]
-# The second warning is the reentrant variant's own (§5). Pass `use_reentrant` always.
+# ![notebook 01's requires_grad rule, as a decision diagram](../images/01_requires_grad_rule.png)
 #
 # ## 5. Checkpointing a whole sub-network
 #
@@ -320,7 +305,6 @@ class SubNet(nn.Module):  # two inputs, a tuple out
     def forward(self, x, y):
         h = nn.functional.gelu(self.embed_x(x) + self.embed_y(y))
         return self.head(h), h
-
 _ = torch.manual_seed(0)
 net = SubNet()
 data_x, data_y = torch.randn(64, 32), torch.randn(64, 32)  # no requires_grad: data, or a frozen encoder
@@ -363,7 +347,7 @@ for name, run in ways_out.items():
 #
 # **The thread's `_NetCheckpointWrapper` is not one of them.** It passes the parameters but holds `x`
 # and `y` as **attributes**, outside `save_for_backward`. When `x` comes from a trained layer and is
-# used again (a residual), the nested backward runs *into the outer graph* through `x`, and frees it:
+# used again (a residual), the nested backward runs *into the outer graph* through `x` and frees it:
 
 # %%
 class _NetCheckpointWrapper:  # the forum's code, made runnable
@@ -371,25 +355,29 @@ class _NetCheckpointWrapper:  # the forum's code, made runnable
         self.net, self.x, self.y = net, x, y
     def __call__(self, *args, **kwargs):
         return self.net(self.x, self.y)
-
 encoder = nn.Linear(32, 32)
 torch_reentrant = lambda f, *args: torch_checkpoint(f, *args, use_reentrant=True)
-for name, ckpt in {"torch's": torch_reentrant, "ours": reentrant_checkpoint}.items():
+forms = {"_NetCheckpointWrapper": lambda t: (_NetCheckpointWrapper(net, t, data_y),),
+         "safe form": lambda t: (lambda a, b, *_: net(a, b), t, data_y)}
+residual = {}
+for (form, make), (name, ckpt) in itertools.product(forms.items(), {"torch's": torch_reentrant,
+                                                                   "ours": reentrant_checkpoint}.items()):
     enc_x = encoder(data_x)  # requires grad: the encoder is trained
-    result = ckpt(_NetCheckpointWrapper(net, enc_x, data_y), *net.parameters())[0]
+    result = ckpt(*make(enc_x), *net.parameters())[0]
     try:
         (result.sum() + enc_x.pow(2).sum()).backward()  # enc_x used twice: a residual
+        residual[form, name] = "backward ran"
     except RuntimeError as error:
-        print(f"{name}: RuntimeError: {str(error)[:80]}...")
+        residual[form, name] = f"RuntimeError: {str(error)[:48]}..."
+    print(f"{form:21} {name:7} {residual[form, name]}")
 
 # %% [markdown]
 # And an attribute escapes autograd's version check: change `x` in place after the forward (a reused
-# buffer) and the wrapper silently recomputes with new values; the safe form (tensors as arguments)
-# raises:
+# buffer) and the wrapper silently recomputes with new values; the safe form (tensors as arguments) raises:
 
 # %%
-for name, make in {"_NetCheckpointWrapper": lambda t: (_NetCheckpointWrapper(net, t, data_y),),
-                   "safe form": lambda t: (lambda a, b, *_: net(a, b), t, data_y)}.items():
+inplace = {}
+for form, make in forms.items():
     clear_grads(*net.parameters())
     buffer = data_x.clone()
     result = reentrant_checkpoint(*make(buffer), *net.parameters())[0]
@@ -397,15 +385,20 @@ for name, make in {"_NetCheckpointWrapper": lambda t: (_NetCheckpointWrapper(net
     try:
         result.sum().backward()
         same = all_equal([p.grad for p in net.parameters()], weighed["no checkpoint (reference)"])
-        print(f"{name}: no error; gradients equal plain: {same}")
+        inplace[form] = f"no error; gradients equal plain: {same}"
     except RuntimeError as error:
-        print(f"{name}: RuntimeError: {str(error)[:75]}...")
+        inplace[form] = f"RuntimeError: {str(error)[:48]}..."
+    print(f"{form}: {inplace[form]}")
+how = {"_NetCheckpointWrapper": "an attribute: not saved,\\nnot detached from the encoder", "safe form":
+       "an argument: saved, detached\\nto a fresh leaf"}
+show_rows({f: [f"enc_x = encoder(x), passed as\\n{how[f]}", f"a residual, ours:\\n{residual[f, 'ours']}",
+               f"x *= 2 before backward:\\n{inplace[f]}"] for f in forms}, "02_wrapper_traps")
 
 # %% [markdown]
 # **Is it idiomatic? No.** Captured tensors are hidden from the checkpoint: no version check, no cut
-# from the outer graph (it detaches only its *arguments*). Idiomatic is `checkpoint(net, x, y,
-# use_reentrant=False)`; with the reentrant variant, pass the tensors as arguments, plus a dummy or
-# the parameters: `reentrant_checkpoint(lambda x, y, *_: net(x, y), x, y, *net.parameters())`.
+# from the outer graph (it detaches only its *arguments*). Idiomatic: `checkpoint(net, x, y,
+# use_reentrant=False)`; reentrant, pass the tensors as arguments, plus a dummy or the parameters:
+# `reentrant_checkpoint(lambda x, y, *_: net(x, y), x, y, *net.parameters())`.
 #
 # ## 6. `autograd.grad` is reverse mode too, and why this checkpoint can't serve it
 #
@@ -445,10 +438,11 @@ print("non-reentrant checkpoint + autograd.grad equals plain:", all_equal(grads_
 # ## 7. The redundant `no_grad`
 #
 # The thread *"Tensor.requires_grad in torch.autograd.Function"* asks whether the `no_grad` in
-# torch's `CheckpointFunction.forward` is redundant. albanD: *"It is indeed redundant."* torch's ends:
+# torch's `CheckpointFunction.forward` is redundant. albanD: *"It is indeed redundant."* torch's,
+# after `ctx.save_for_backward(*tensor_inputs)`, ends:
 
 # %%
-show_source(torch.utils.checkpoint.CheckpointFunction.forward, start="ctx.save_for_backward(*tensor_")
+show_source(torch.utils.checkpoint.CheckpointFunction.forward, start="with torch.no_grad():")
 
 # %% [markdown]
 # `ckpt_lab`'s has none; the block sees grad off anyway (`apply` switches it off, notebook 01).
@@ -465,8 +459,7 @@ print("memory report equals torch's, to the byte:", memory["checkpoint"] == thei
 # ## 8. RNG: replaying dropout, and leaving the caller's random stream alone
 #
 # Dropout's masks come from the global generator, which by backward has moved on (§3). **Draft 3**
-# snapshots it in `forward` and restores it before recomputing, and so leaves it where the
-# *forward* left it:
+# snapshots it in `forward` and restores it before recomputing, so leaves it where the *forward* did:
 
 # %%
 class DraftCheckpointNoFork(DraftCheckpointGradOnly):  # DRAFT 3: restores the RNG state, no fork
@@ -491,32 +484,37 @@ def dropout_step(ckpt):
     between = torch.rand(4)
     out.sum().backward()
     return [x.grad, *(p.grad for p in dropout_block.parameters())], between, torch.rand(4)
-
 plain_step = dropout_step(lambda f, t: f(t))
 print(f"{'':32} {'wrong grad entries':>18} {'draw after = plain':>19} {'= draw between':>15}")
-for name, ckpt in {
-    "draft 2 (no RNG restore)": DraftCheckpointNoRNG.apply,
-    "draft 3 (restore, no fork)": DraftCheckpointNoFork.apply,
-    "ours (restore inside a fork)": reentrant_checkpoint, "torch's": torch_reentrant,
-}.items():
+rng = {}
+for name, ckpt in {"draft 2 (no RNG restore)": DraftCheckpointNoRNG.apply,
+                   "draft 3 (restore, no fork)": DraftCheckpointNoFork.apply,
+                   "ours (restore inside a fork)": reentrant_checkpoint, "torch's": torch_reentrant}.items():
     grads, between, after = dropout_step(ckpt)
     wrong = sum(int((a != b).sum()) for a, b in zip(grads, plain_step[0], strict=True))
     same, repeated = torch.equal(after, plain_step[2]), torch.equal(after, between)
+    rng[name] = wrong, same, repeated
     print(f"{name:32} {wrong:>18,} {same!s:>19} {repeated!s:>15}")
 print("CPU RNG snapshot kept per checkpointed call:", torch.get_rng_state().numel(), "bytes")
+show_rows({name: ["seed 1", "forward: dropout draws\\nthe masks from state S", "a draw between\\n(a shuffle)",
+                  f"backward: {fix}; recompute\\nwrong grad entries: {rng[name][0]:,}",
+                  f"the caller's next draw\\n= plain: {rng[name][1]} | = the one between: {rng[name][2]}"]
+           for name, fix in [("draft 3 (restore, no fork)", "set state S, leave it there"),
+                             ("ours (restore inside a fork)", "fork, set S, put the state back")]},
+          "02_rng_stream")
 
 # %% [markdown]
 # * Without a restore (draft 2, or `preserve_rng_state=False`), all 131,584 gradient entries are wrong.
-# * Draft 3 gets the gradients right but **rewinds** the caller's stream: the draw after backward
-#   repeats the one between; a training loop would reuse shuffles silently.
-# * `ckpt_lab` and torch restore the forward's state inside a **fork**: the generator is saved
-#   before the recomputation and put back after (CPU, accelerators, autocast):
+# * Draft 3 gets them right but **rewinds** the caller's stream: the draw after backward repeats the
+#   one between; a training loop would silently reuse shuffles.
+# * `ckpt_lab` and torch restore the forward's state inside a **fork**, which saves the generator
+#   before the recomputation and puts it back after (CPU, accelerators, autocast):
 
 # %%
 show_source(ckpt_lab.rng.ReplayState.replay, start="with fork_rng")
 
 # %% [markdown]
-# (The CPU snapshot printed above is made outside aten ops: `measure_memory` does not count it.)
+# (`measure_memory` does not count that CPU snapshot: it is made outside aten ops.)
 #
 # ## 9. Where checkpointing saves nothing
 #
@@ -533,11 +531,17 @@ placements = {
     "around every single op": lambda: each(x, [op for b in stack4 for op in b]).sum(),
     "around each block but the last": lambda: stack4[3](each(x, stack4[:3])).sum(),
 }
-a = x.nbytes
+a, placed = x.nbytes, {}
 for name, run in placements.items():
     clear_grads(x, *stack4.parameters())
-    r = measure_memory(run)
+    placed[name] = r = measure_memory(run)
     print(f"{name:32} retained {r.retained_bytes / a:5.2f} a  peak {r.peak_bytes / a:5.2f} a")
+fig, axes = plt.subplots(1, 2, figsize=(11, 2.4))
+for ax, what in zip(axes, ["retained", "peak"], strict=True):
+    plot_memory_bars(ax, {n: getattr(r, f"{what}_bytes") for n, r in placed.items()}, f"{what} (a)", unit=a)
+    ax.set_xlabel("activations of 262,144 bytes (a)")
+save_figure(fig, "02_where_it_saves_nothing")
+plt.show()
 
 # %% [markdown]
 # * **Around the whole function**: backward begins by recomputing everything: peak 33 a vs 32 a.
@@ -546,94 +550,9 @@ for name, run in placements.items():
 #   anyway, its input: 31 a, as without.
 # * What works: one checkpoint per block, the last left plain: 10 a retained, **12 a peak**.
 #
-# ## Appendix A (optional): √N segments
-#
-# `checkpoint_sequential(functions, segments, input)` cuts `N` layers into `s` chunks and
-# checkpoints all but the last. Chen et al. 2016 (*Training Deep Nets with Sublinear Memory Cost*):
-# with one activation `a` per layer it retains **(s − 1 + N/s) · a**, peaks near **(s + N/s) · a**,
-# and costs FLOPs × (1 + (1 − 1/s)/3); memory is lowest at **s = √N**. N = 36 layers of
-# `Linear(128, 128)` + `Tanh`, batch 32:
-
-# %%
-N, batch, width = 36, 32, 128
-a = batch * width * 4
-_ = torch.manual_seed(0)
-stack = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(N)])
-stack_x = torch.randn(batch, width, requires_grad=True)
-layer_calls = [CallCounter(layer) for layer in stack]
-plain_flops = ckpt_lab.count_flops(lambda: stack(stack_x).sum().backward())
-rows = []
-for s in [d for d in range(1, N + 1) if N % d == 0]:
-    clear_grads(stack_x, *stack.parameters())
-    _ = [c.reset() for c in layer_calls]
-    report = measure_memory(lambda s=s: checkpoint_sequential(stack, s, stack_x, use_reentrant=True).sum())
-    runs = sum(c.count for c in layer_calls)
-    assert report.retained_bytes == (s - 1 + N // s) * a + 4 and runs == N + (s - 1) * (N // s)
-    flops = plain_flops + (runs - N) * 2 * batch * width * width  # one more Linear forward per extra run
-    rows.append((s, report.retained_bytes / a, report.peak_bytes / a, flops / plain_flops))
-    if s in (1, 2, 6, 18, 36):
-        print(f"s = {s:2}: retained {rows[-1][1]:4.1f} a, peak {rows[-1][2]:4.1f} a, layer runs {runs:2}, "
-              f"FLOPs × {rows[-1][3]:.3f} (theory {1 + (1 - 1 / s) / 3:.3f})")
-best = min(rows, key=lambda row: row[1])
-print("fewest at s = √N:", best[0] == math.isqrt(N), f"| plain peak ÷ this: {rows[0][2] / best[2]:.2f}")
-
-# %%
-segments, fine = [row[0] for row in rows], [1 + i * (N - 1) / 200 for i in range(201)]
-fig, axes = plt.subplots(1, 2, figsize=(11, 3.4))
-for col, theory, label in [(1, lambda s: s - 1 + N / s, "retained: (s − 1 + N/s)·a"),
-                           (2, lambda s: s + N / s, "peak: (s + N/s)·a"),
-                           (3, lambda s: 1 + (1 - 1 / s) / 3, "FLOPs of a step ÷ plain: 1 + (1 − 1/s)/3")]:
-    ax = axes[col // 3]
-    dots = ax.plot(segments, [row[col] for row in rows], "os"[col % 2], label=f"{label}; markers: measured")
-    ax.plot(fine, [theory(s) for s in fine], "-", color=dots[0].get_color(), alpha=0.5)
-    ax.set(xscale="log", xlabel=f"segments s (N = {N})", ylabel="× plain" if col == 3 else "activations a")
-    ax.set_xticks(segments, [str(s) for s in segments])
-    ax.axvline(math.sqrt(N), color="gray", linestyle=":")
-    ax.legend(fontsize=8)
-save_figure(fig, "02_sqrt_n")
-plt.show()
-
-# %% [markdown]
-# Retained bytes follow the formula to the byte: at s = 6 = √36, 11 a instead of 36 a; the peak
-# (13 a vs 37 a) is 2.85 × lower, for 1.278 × the FLOPs.
-#
-# ## Appendix B (optional): recursive checkpointing, O(log N) memory
-#
-# A recomputation runs with grad on, so checkpoints inside it create nodes of their own. Checkpoint
-# the first half of a chain and recurse into the second; backward recomputes the first half by the
-# same rule. N of the `Linear` + `Tanh` layers above:
-
-# %%
-def recursive(layers, t):
-    if len(layers) == 1:
-        return layers[0](t)
-    t = reentrant_checkpoint(lambda u: recursive(layers[: len(layers) // 2], u), t)
-    return recursive(layers[len(layers) // 2 :], t)
-
-_ = torch.manual_seed(0)
-deep = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(64)]
-deep_calls, depth_rows = [CallCounter(layer) for layer in deep], []
-for n in (4, 8, 16, 32, 64):
-    _ = [c.reset() for c in deep_calls]
-    clear_grads(stack_x, *(p for layer in deep for p in layer.parameters()))
-    report = measure_memory(lambda n=n: recursive(deep[:n], stack_x).sum())
-    runs = sum(c.count for c in deep_calls)
-    depth_rows.append((math.log2(n), report.retained_bytes / a, report.peak_bytes / a))
-    print(f"N = {n:2}: retained {depth_rows[-1][1]:4.1f} a, peak {depth_rows[-1][2]:4.1f} a, "
-          f"layer runs {runs:3} = N (log2 N / 2 + 1): {runs == n * (math.log2(n) / 2 + 1)}")
-
-# %%
-fig, ax = plt.subplots(figsize=(5.5, 3))
-logs, retained, peaks = zip(*depth_rows, strict=True)
-ax.plot(logs, retained, "o-", logs, peaks, "s-", logs, [2**k + 1 for k in logs], ":")
-ax.set(ylim=(0, 16), xlabel="log₂ N (N = 4 … 64 layers)", ylabel="activations a")
-ax.legend(["retained (measured)", "peak (measured)", "plain: N + 1"], fontsize=8)
-save_figure(fig, "02_recursive")
-plt.show()
-
-# %% [markdown]
-# Each doubling of N adds one activation retained (log₂ N + 1) and two to the peak (2 log₂ N + 1):
-# O(log N) memory, for O(N log N) layer runs (256 for N = 64).
+# **More checkpoints along a chain** (optional): how many segments to cut N layers into (√N,
+# against Chen et al.'s formulas), and checkpoints nested recursively for O(log N) memory, are in
+# [notebook 02b](02b_checkpoint_schedules_appendix.ipynb).
 
 # %% [markdown]
 # ## Summary
@@ -643,14 +562,14 @@ plt.show()
 # | What does a checkpointed block keep? | its input: 1 tensor, not 8; 4 bytes retained, not 1,835,012 | 1 |
 # | What runs when? | forward, grad off; backward recomputes, then a nested graph task | 2 |
 # | Why a nested `.backward()`? | parameters are not inputs (draft 1: 8 of 8 without gradient) | 3 |
-# | Why does the output require grad, not when no input does? | reentrant (2.13's default, warned): only if an argument requires grad. Non-reentrant: also if a parameter does | 4 |
-# | "element 0 … does not require grad"? | parameters are not arguments of `apply`; add a dummy input, or `use_reentrant=False` | 5 |
+# | Why does the output require grad, not when no input does? | reentrant (2.13's default, warned): only if an argument does; non-reentrant: also if a parameter does | 4 |
+# | "element 0 … does not require grad"? | parameters are not arguments of `apply`: add a dummy input, or `use_reentrant=False` | 5 |
 # | Is `_NetCheckpointWrapper` idiomatic? | no: a residual breaks backward; in-place changes go unnoticed | 5 |
 # | `autograd.grad` forward mode? Why unsupported? | reverse mode; the nested backward would write `.grad` | 6 |
 # | Is the inner `no_grad` redundant? | yes; same memory | 7 |
 # | Why replay the RNG in a fork? | else 131,584 of 131,584 gradient entries wrong, or the caller's stream rewound | 8 |
 # | Where does it save nothing? | around everything (peak 33 a vs 32 a), the last stage, single ops (31 a) | 9 |
-# | √N? Recursion? | 11 a vs 36 a for 1.278 × FLOPs; log₂ N + 1 | A, B |
+# | √N? Recursion? | 11 a vs 36 a for 1.278 × FLOPs; log₂ N + 1 | 02b |
 #
-# Notebook 03 drops the `autograd.Function`: the non-reentrant checkpoint keeps the graph and changes
-# only what it stores.
+# Notebooks 03 and 03b drop the `autograd.Function`: saved-tensor hooks, then the non-reentrant
+# checkpoint, which keeps the graph and changes only what it stores.

@@ -12,39 +12,51 @@
 # ---
 
 # %% [markdown]
-# # 04b · Appendix (optional): our scope against RETURNN's, edge case by edge case
+# # 04b · Appendix (optional): more measurements, and RETURNN's scope edge case by edge case
 #
 # **Optional.** [Notebook 04](04_checkpoint_scope.ipynb) builds `ckpt_lab.gradient_checkpoint_scope`
-# and is complete without this appendix. Here we run the edge cases a scope must get right (global
-# state, several and nested scopes, enclosing hooks, exceptions, in-place writes, replays that
-# cannot reproduce the forward, a scope inside a checkpoint) with ours, and each also with the
-# peer: RETURNN's own `gradient_checkpoint_scope`, the one its API page describes. The peer solves
-# the hard part of notebook 04 §3 (hooks that outlive the `with` block) differently: it
-# **monkey-patches** `saved_tensors_hooks.__enter__`/`__exit__` globally and unregisters later from
-# callbacks.
+# and is complete without this appendix. Part M holds measurements notebook 04 only cites: the
+# release of the hooks during backward, a residual stack, a case on a GPU. Part A runs the edge
+# cases a scope must get right (global state, several and nested scopes, enclosing hooks,
+# exceptions, in-place writes, replays that cannot reproduce the forward, a scope inside a
+# checkpoint) with ours, and each also with the peer: RETURNN's own `gradient_checkpoint_scope`, the
+# one its API page describes. The peer solves the hard part of notebook 04 §3 (hooks that outlive
+# the `with` block) differently: it **monkey-patches** `saved_tensors_hooks.__enter__`/`__exit__`
+# globally and unregisters later from callbacks.
 #
-# **TL;DR.** Ours leaves no global state in any case, frees every scope tensor, passes every
-# non-scope tensor to enclosing hooks, updates outside buffers once and refuses a replay that would
-# give wrong gradients with a `CheckpointError`. The peer (returnn 1.20261022) keeps a scope tensor
-# alive in A.2 and A.3, leaves a hook entry behind in A.2, A.3, A.5 and A.6, bypasses enclosing
-# hooks (A.4) and replays in-place writes in backward (A.6). Table at the end.
+# **TL;DR.** A scope tensor dying inside backward releases the hooks after backward returns (M.1).
+# On a residual stack the scope retains what a checkpoint per block does and peaks one block
+# boundary higher, for the reason notebook 04 §5 gives (M.2). Ours leaves no global state in any
+# case, frees every scope tensor, passes every non-scope tensor to enclosing hooks, updates outside
+# buffers once and refuses a replay that would give wrong gradients with a `CheckpointError`. The
+# peer (returnn 1.20261022) keeps a scope tensor alive in A.2 and A.3, leaves a hook entry behind in
+# A.2, A.3, A.5 and A.6, bypasses enclosing hooks (A.4) and replays in-place writes in backward
+# (A.6). Table at the end.
 #
 # | question | section |
 # |---|---|
+# | The last scope tensor dies inside backward: when are the hooks released? | M.1 |
+# | Does the scope peak higher than a checkpoint on a residual stack too? | M.2 |
+# | Do the scope's bytes and RNG hold on a GPU? | M.3 |
 # | Does a scope leave hooks or patched methods behind? | A.1 |
-# | Are the tensors of two scopes alive at once freed (`get_var1() * get_var2()`, rwth-i6/returnn#1583)? | A.2 |
+# | Are the tensors of two scopes alive at once freed (`get_var1() * get_var2()`, the RETURNN issue "Torch multiple simultaneous gradient_checkpoint_scope")? | A.2 |
 # | Do nested scopes free all their tensors? | A.3 |
 # | Do an enclosing `saved_tensors_hooks` and `save_on_cpu` still see the tensors the scope does not recompute? | A.4 |
 # | Does an exception inside the scope leave state behind? | A.5 |
 # | Are in-place updates of outside tensors (a buffer, BatchNorm's statistics) applied once? | A.6 |
 # | What happens when a replay cannot reproduce the forward? | A.7 |
 # | What does a scope do inside a checkpointed function? | A.8 |
-# | Where does RETURNN's scope fall short? | every section's peer cell; table at the end |
+# | Where does RETURNN's scope fall short? | every A section's peer cell; table at the end |
 #
 # Our cells are checked by nbval. Each peer cell is tagged `nbval-ignore-output` and **shows the
 # peer only where `returnn` is installed** (CI does not install it; there it prints "peer
 # skipped"). After every peer run, `run_peer` puts the global state back, so that the peer's
 # leftovers cannot affect later cells.
+#
+# Terms: a **graph task** is the autograd engine's state for one `backward()` call
+# (`torch._C._current_graph_task_id()` is -1 outside one); a **safe point** (notebook 04) is a moment
+# when the scope may change the saved-tensors-hooks stack: on its own thread, outside its hooks,
+# outside a graph task.
 
 # %%
 import contextlib
@@ -54,12 +66,17 @@ import warnings
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch._C._autograd import _pop_saved_tensors_default_hooks, _top_saved_tensors_default_hooks
+from torch._C._autograd import (
+    _pop_saved_tensors_default_hooks,
+    _push_saved_tensors_default_hooks,
+    _top_saved_tensors_default_hooks,
+)
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 
 import ckpt_lab.scope as scope_module
-from ckpt_lab import CheckpointError, gradient_checkpoint_scope
+from ckpt_lab import CheckpointError, LiveMemory, gradient_checkpoint_scope
 from ckpt_lab import checkpoint as ckpt_lab_checkpoint
 from ckpt_lab.helpers.tensors import all_equal, grads, leaves
 from ckpt_lab.instruments.state import assert_no_global_state as assert_clean
@@ -84,6 +101,154 @@ def top_hooks():  # the top of this thread's saved-tensors-hooks stack, or None
 def storage_ref(t):  # dead exactly when t's memory is freed
     return weakref.ref(t.untyped_storage())
 
+
+# %% [markdown]
+# ## M.1 Releasing the hooks during backward
+#
+# The last scope tensor may die inside a graph task, but the engine restores the hooks stack after
+# every node, undoing any change made there. A check: a tensor hook pops the top entry mid-backward.
+
+# %%
+def log_pack(t):
+    return t
+
+
+_push_saved_tensors_default_hooks(log_pack, lambda t: t)
+a = torch.randn(3, requires_grad=True)
+seen_inside = []
+a.register_hook(lambda g: seen_inside.append((_pop_saved_tensors_default_hooks(), top_hooks())[1]))
+(a * a).sum().backward()
+print("stack top inside backward after the pop:", seen_inside[0])
+print("after backward, the popped entry is back:", top_hooks()[0].__name__)
+_pop_saved_tensors_default_hooks()
+print("clean:", top_hooks() is None)
+
+# %% [markdown]
+# So the resident entry is removed only at a **safe point**. Inside backward, `release_if_idle`
+# queues a final callback, `_AfterBackward`, that does nothing (it still runs under the engine's
+# guard); its use is its *death*: the engine drops it with the graph task after backward returns,
+# on the calling thread, and its `__del__` calls `release_if_idle()` there. A case: a second scope
+# reads `x`, so its recording keeps `x` until backward releases it.
+
+# %%
+a, c = leaves((300,), (300,))
+with gradient_checkpoint_scope():
+    x = a.sin()
+ref = storage_ref(x)
+with gradient_checkpoint_scope():
+    y = (x * x).exp()  # x is an input of this scope: its recording keeps x
+z = y * c
+del x, y
+inside = []
+c.register_hook(lambda g: inside.append((torch._C._current_graph_task_id() != -1, top_hooks() is not None)))
+print("before backward: x's storage alive:", ref() is not None, "| resident entry:", top_hooks() is not None)
+z.sum().backward()
+del z
+print("inside backward: in a graph task, resident entry still there:", inside[0])
+print("after backward: x's storage alive:", ref() is not None, "| hooks stack empty:", top_hooks() is None)
+
+# %% [markdown]
+# ## M.2 A residual stack
+#
+# Notebook 04 §5 measured four MLP blocks whose loss saves the last output. Here a residual stack
+# (`h = h + block(h)`, four blocks of Linear, GELU, Linear) whose loss, `h.sum()`, saves nothing.
+# An instrument names each storage by its op, `h1`…`h4` for block outputs, and adds `'` to one made
+# by a scope's replay. Unit: one block boundary.
+
+# %%
+class OpNames(LiveMemory):
+    def __init__(self):
+        super().__init__()
+        self.names = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        first = len(self.events)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        replay = scope_module._thread.in_hook > 0  # one of the scope's hooks (and its replay) is running
+        for serial, sign, _ in self.events[first:]:
+            if sign > 0:
+                self.names[serial] = func.overloadpacket.__name__ + ("'" if replay else "")
+        return out
+
+
+# %%
+def scoped_block(block, h):
+    with gradient_checkpoint_scope():
+        return block(h)
+
+
+def residual_stack(wrap, dim=32):
+    """Retained and peak bytes (gradients excluded), in boundaries; what is alive at the peak."""
+    _ = torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) for _ in range(4)]
+    h, unit = torch.randn(4, 16, dim, requires_grad=True), 4 * 16 * dim * 4
+    with OpNames() as mem:
+        for k, block in enumerate(blocks, 1):
+            h = wrap(lambda u, block=block: u + block(u), h)
+            mem.names[mem.serial_of(h)] = f"h{k}"
+        loss = h.sum()
+        del h
+        retained, mem.phase = mem.snapshot("forward"), "backward"
+        loss.backward()
+        del loss
+    excluded, alive, curve = mem.born_in("backward"), set(), mem.curve(mem.born_in("backward"))
+    for serial, sign, _ in mem.events[: curve.index(max(curve)) + 1]:
+        (alive.add if sign > 0 else alive.discard)(serial)
+    at_peak = sorted(mem.names[s] for s in alive - excluded if mem.nbytes(s) >= unit // 2)
+    return retained / unit, max(curve) / unit, at_peak
+
+
+# %%
+variants = {"no checkpoint": lambda block, h: block(h), "checkpoint per block": ckpt_lab_checkpoint,
+            "scope per block": scoped_block}
+for name, wrap in variants.items():
+    retained, peak, at_peak = residual_stack(wrap)
+    print(f"{name:<20} retained {retained:5.2f}  peak {peak:5.2f} block boundaries")
+print("scope per block, alive at its peak (a boundary or more):", *at_peak)
+print("clean:", assert_clean())
+
+# %% [markdown]
+# The scope retains what the checkpoint does (the loss saves nothing, so there is no last output
+# to spare) and peaks one boundary higher: scope 3 replays (the `'` storages; `add'` is block 3's
+# output again) while block 4's backward temporaries, among them its hidden gradient
+# (`gelu_backward`), are alive: the cause of notebook 04 §5, with the next block as the consumer.
+#
+# ## M.3 On a GPU
+#
+# The cell runs on CUDA when a device is there, else on the CPU, printing the same lines. Bytes come
+# from `LiveMemory`; on CUDA they are checked against `torch.cuda.memory_allocated`. The stored
+# outputs come from a CPU.
+
+# %%
+device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def gpu_case(scope):
+    _ = torch.manual_seed(0)
+    a, c = (torch.randn(1024, 1024, device=device, requires_grad=True) for _ in range(2))
+    with LiveMemory() as mem:
+        with scope():
+            x = F.dropout(a.sin(), 0.5)
+        y = x * c
+        before, allocated = mem.live_bytes, torch.cuda.memory_allocated() if device == "cuda" else 0
+        del x
+        freed = before - mem.live_bytes
+        assert device == "cpu" or allocated - torch.cuda.memory_allocated() == freed
+        y.sum().backward()
+    return freed, [*grads(a, c), torch.rand(3, device=device)]
+
+
+plain_freed, plain_run = gpu_case(contextlib.nullcontext)
+scope_freed, scope_run = gpu_case(gradient_checkpoint_scope)
+print("bytes freed by `del x` | no scope:", plain_freed, "| scope:", scope_freed)
+print("gradients and the next random numbers equal:", all_equal(plain_run, scope_run))
+print("clean:", assert_clean())
+
+# %% [markdown]
+# # Part A: our scope against RETURNN's
+#
+# Kept before anything could patch them, the two methods the peer replaces; then the peer, where
+# installed.
 
 # %% tags=["nbval-ignore-output"]
 # Kept before anything could patch them: the peer replaces these two methods.
@@ -153,7 +318,7 @@ print(no_global_state(gradient_checkpoint_scope), "| nothing patched, nothing le
 run_peer("no global state", no_global_state)
 
 # %% [markdown]
-# ## A.2 Several scopes alive at once (rwth-i6/returnn#1583)
+# ## A.2 Several scopes alive at once (the RETURNN issue "Torch multiple simultaneous gradient_checkpoint_scope")
 #
 # `get_var1() * get_var2()`: two scopes, each returning a tensor, multiplied. Both scope tensors
 # must be freed right after the product.
@@ -405,5 +570,9 @@ with saved_tensors_hooks(lambda t: t, lambda t: t):
 # | A.6 `buf` / `num_batches_tracked` | `[3.0]` / 1 | `[12.0]` / 2: writes replayed in backward |
 # | A.7 outside tensor modified before backward / replay of another shape | `CheckpointError` | (not run: ours only) |
 # | A.8 inside a checkpointed function | does nothing (torch's and `ckpt_lab`'s checkpoints recognised) | (not run: ours only) |
+#
+# Part M, measured above: a scope tensor dying inside backward releases the hooks after backward
+# returns (M.1); on a residual stack the scope retains what a checkpoint per block does and peaks
+# one boundary higher (M.2).
 #
 # Back to [notebook 04](04_checkpoint_scope.ipynb), the scope's main path.

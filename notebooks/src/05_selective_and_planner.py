@@ -14,14 +14,14 @@
 # %% [markdown]
 # # 05 · Choosing what to keep: selective recomputation and a memory-budget planner
 #
-# **TL;DR.** Activations are not alike: in a transformer block the matmul outputs are a third of
-# the bytes a checkpoint could keep but 98% of the FLOPs it would redo. *Selective activation
-# checkpointing* (**SAC**: torch's name for a non-reentrant checkpoint that asks a *policy*, op by
-# op, whether to keep the op's output) keeps the matmuls and recomputes the rest: 416 KiB kept
-# instead of 994 KiB, for 3% of a plain checkpoint's recomputation. In-place, view and random ops
-# must run again whatever the policy says; torch 2.13's eager SAC gets kept random ops silently
-# wrong. For a byte budget, "what to keep" is a 0/1 knapsack, solved exactly; measured bytes and
-# FLOPs equal the plan's. BatchNorm counts two batches per step under any checkpoint; hooks fix it.
+# **TL;DR.** In a transformer block the matmul outputs are a third of the bytes a checkpoint could
+# keep but 98% of the FLOPs it would redo. *Selective activation checkpointing* (**SAC**: a
+# non-reentrant checkpoint that asks a *policy*, op by op, whether to keep the op's output) keeps
+# them and recomputes the rest: 416 KiB kept instead of 994, for 3% of a plain checkpoint's
+# recomputation. In-place, view and random ops run again whatever the policy says; torch 2.13's
+# eager SAC gets kept random ops silently wrong. For a byte budget, "what to keep" is a 0/1
+# knapsack, solved exactly; measured bytes and FLOPs equal the plan's. Under any checkpoint
+# BatchNorm counts two batches per step; hooks fix it.
 #
 # **You will be able to** write one SAC policy for torch and `ckpt_lab`, say what runs when under
 # it, plan a stack for a byte budget (`ckpt_lab.planner`), place a strategy on the
@@ -29,15 +29,15 @@
 #
 # | question | section |
 # |---|---|
-# | Which ops of a block hold the bytes, and which the FLOPs? | 1 |
-# | How does a per-op policy decide what to keep, and what runs when? | 2.2 |
-# | Why must in-place, view and random ops run again whatever the policy says? | 2.1, 2.3 |
-# | Do torch's SAC and ours keep the same bytes and FLOPs? Where is torch's wrong? | 2.3, 3 |
+# | Which ops of a block hold the bytes, which the FLOPs? | 1 |
+# | How does a per-op policy decide, and what runs when? | 2.2 |
+# | Why must in-place, view and random ops run again? | 2.1, 2.3 |
+# | Torch's SAC and ours: same bytes and FLOPs? Where is torch's wrong? | 2.3, 3 |
 # | Where does selective checkpointing save nothing? | 3.1 |
-# | Given a budget in bytes, what should be kept? Greedy or exact? Checkmate and DTR? | 4 |
-# | Where do none, per-block, √N, SAC, the planner and CPU offload sit on the frontier? | 5 |
-# | What does CPU offload cost instead of recomputation? | 6 |
-# | Why does BatchNorm count two batches per step under checkpointing, and how is it fixed? | 7 |
+# | What to keep for a byte budget? Greedy or exact? Checkmate and DTR? | 4 |
+# | Where do none, per-block, √N, SAC, the planner and offload sit on the frontier? | 5 |
+# | What does CPU offload cost instead? | 6 |
+# | Why does BatchNorm count two batches per step, and the fix? | 7 |
 #
 # All eager (torch's `activation_memory_budget` exists only under `torch.compile`); every number
 # is bytes or FLOPs, the same on every machine.
@@ -118,14 +118,13 @@ ax_c.set_ylabel("MFLOPs (to recompute)")
 ax_c.set_xticks(range(len(shown)), [f"{r.index} {r.op.overloadpacket.__name__}" for r in shown], rotation=90)
 ax_b.legend(loc="upper left", fontsize=8)
 save_figure(fig, "05_ops")
-plt.show()
 
 # %% [markdown]
-# Red bars: a third of the candidate bytes, nearly all of the FLOPs. Keep those, recompute the
-# rest, and most of the recomputation is gone for a third of the memory: the "save the matmuls"
-# policies of torch's SAC examples and torchtitan, and Korthikanti et al. 2022 (arXiv:2205.05198),
-# who recompute only attention's large, cheap intermediates and cut the overhead by over 90%. The
-# grey ops (dropout's `empty_like`, `bernoulli_`, `div_`) run again whatever a policy says.
+# Red bars: a third of the candidate bytes, nearly all of the FLOPs. Keeping them is the "save
+# the matmuls" policy of torch's SAC
+# examples and torchtitan; Korthikanti et al. 2022 (arXiv:2205.05198) recompute only attention's
+# large, cheap intermediates and cut the overhead by over 90%. Grey ops (dropout's `empty_like`,
+# `bernoulli_`, `div_`) run again whatever a policy says.
 #
 # ## 2 · Selective checkpointing
 #
@@ -165,8 +164,7 @@ def draft_selective(function, x, policy):
 
 # %% [markdown]
 # "Save the matmuls" on the block works. Two small functions, each with a policy that keeps one
-# op's output: `two_draws` keeps its first random draw and recomputes the second; `in_place` keeps
-# `h.mul_(2)` (return value ignored, as usual: `h` is what the next op uses).
+# op's output: `two_draws` keeps its first random draw; `in_place` keeps `h.mul_(2)`.
 
 # %%
 def two_draws(v):
@@ -214,17 +212,17 @@ for fn, packet in ((two_draws, torch.ops.aten.rand_like), (in_place, torch.ops.a
 show_source(must_rerun, start="if op._schema")
 
 # %% [markdown]
-# The forward mode keeps a detached alias of what the policy saves, unless `must_rerun` says no:
+# The forward mode keeps a detached alias of what the policy saves, unless `must_rerun` says no
+# (it also notes each entry's version counter, to notice a later in-place change):
 
 # %%
-show_source(_SaveMode, start="answer = self.cache.policy", stop="return out")
+show_source(_SaveMode, start="self.cache.policy", stop="entry = _Entry")
 
 # %% [markdown]
-# Hidden here: the ops torch's SAC skips too (`detach`, metadata queries) are not asked about, and
-# entries that a later in-place op changed are dropped when the forward ends. The recomputation
-# mode (`_ServeMode`) checks that each op is the one the forward ran at that position (appendix
-# A), then pops and returns the cached entry instead of running the op, or runs it if there is
-# none; backward then frees a served tensor after use, as it frees a recomputed one.
+# Not shown: ops torch's SAC skips too (`detach`, metadata queries) are not asked about, and
+# entries a later in-place op changed are dropped. The recomputation mode (`_ServeMode`) checks
+# each op against the forward's (appendix A) and returns the cached entry instead of running it;
+# backward frees a served tensor after use, like a recomputed one.
 #
 # **What runs when.** A small MLP block (`mm`, `gelu`, dropout, `mm`), a policy that keeps the
 # first `mm` and notes when it is asked, and a `TorchDispatchMode` *outside* the checkpoint that
@@ -261,12 +259,8 @@ recomputed = [name for phase, name in trace.events if phase == "recompute"]
 # The recomputation serves op 0 (kept), re-runs the next ops in order, and never reaches the rest.
 assert recomputed == forward[1 : 1 + len(recomputed)]
 fate = ["served"] + ["re-run"] * len(recomputed) + ["not re-run"] * (len(forward) - 1 - len(recomputed))
-print(f"1. forward: {' '.join(forward)}  (the first mm kept by the policy)")
-print(f"   policy asked: {asked.count('forward')} times in forward, {asked.count('backward')} in backward")
-print(f"2. backward, recomputation: {' '.join(f'{n}[{f}]' for n, f in zip(forward, fate, strict=True))}")
-print(f"3. backward, gradients: {' '.join(name for phase, name in trace.events if phase == 'backward')}")
-
-# %%
+print(f"policy asked {asked.count('forward')} times in forward, {asked.count('backward')} in backward;",
+      "recomputation:", ", ".join(f"{n} {f}" for n, f in zip(forward, fate, strict=True)))
 LANE = {"forward": 2, "recompute": 1, "backward": 0}
 COLOUR = {"kept": "tab:red", "forward": "tab:blue", "re-run": "tab:orange", "backward": "tab:blue"}
 boxes = []  # (lane, op, what happened) in time order; the recomputation drawn op by op against the forward
@@ -284,20 +278,17 @@ ax.set_xlabel("time (op by op)")
 ax.set_yticks([2, 1, 0], ["forward:\npolicy decides", "backward:\nre-run the block", "backward:\ngradients"])
 ax.set_title("keep the first mm: red = kept in forward, orange = recomputed in backward, dashed = not run")
 save_figure(fig, "05_what_runs_when")
-plt.show()
 
 # %% [markdown]
-# What runs when, read off the log:
+# What runs when, read off the picture:
 #
 # 1. **Forward.** Every op runs once; the policy is asked about each (7 times) and keeps the first
 #    `mm`'s output (red). The checkpoint also keeps the block's input.
 # 2. **Backward reaches the block.** The first unpack starts one recomputation: the kept `mm` is
 #    *served* (nothing runs), `gelu` and dropout *run again* (orange). The policy is not asked
-#    again (torch's SAC likewise: `ctx.is_recompute` is always False in 2.13). The last `mm` never
-#    runs: nothing backward needs comes from it, and the recomputation stops early once every saved
-#    tensor is filled (notebook 03b).
-# 3. **Gradients.** `gelu_backward` and the matmul gradients use the served and recomputed
-#    tensors, which are freed as they are used.
+#    again. The last `mm` never runs: the recomputation stops once every saved tensor is filled
+#    (notebook 03b).
+# 3. **Gradients** use the served and recomputed tensors, freed as they are used.
 #
 # ### 2.3 · The two failing cases, with the package and with torch's SAC (same policies)
 
@@ -314,9 +305,9 @@ for fn, packet in ((two_draws, torch.ops.aten.rand_like), (in_place, torch.ops.a
 
 # %% [markdown]
 # The package is right in both. torch 2.13's eager SAC refuses the in-place case loudly (its cache
-# checks version counters, unless `allow_cache_entry_mutation=True`) but serves the first draw and
-# gets the gradients wrong, with no error or warning. Keeping random ops is unusual, but nothing
-# stops a policy from it; `tests/test_selective.py` pins both behaviours.
+# checks version counters) but serves the first draw and gets the gradients wrong, silently.
+# Keeping random ops is unusual, but nothing stops a policy from it; `tests/test_selective.py`
+# pins both behaviours.
 #
 # ## 3 · The same policy, ours and torch's, side by side
 #
@@ -351,23 +342,18 @@ sac_share = table["ckpt_lab SAC, save matmuls"][1] / table["ckpt_lab.checkpoint"
 print(f"saving the matmuls recomputes {sac_share:.1%} of what the plain checkpoint recomputes")
 
 # %% [markdown]
-# Identical to the byte and to the FLOP. What is still recomputed is pointwise work (softmax,
-# ReLU, dropout's mask multiply, layer norm, the residual adds).
+# Identical to the byte and to the FLOP. What is still recomputed is pointwise work.
 #
 # ### 3.1 · Where selective checkpointing saves nothing
 #
-# A policy chooses among candidates only, and keeping an output costs its bytes whether or not
-# autograd would have saved it. Two cases, measured against no checkpointing:
+# Keeping an output costs its bytes whether or not autograd would have saved it. Two cases:
 
 # %%
 save_all = retained(lambda: selective_checkpoint(block, x, policy=lambda ctx, op, *a, **k: True))
 torch.manual_seed(0)
 linears = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
-lin_runs = {
-    "none": lambda: linears(x),
-    "plain checkpoint": lambda: checkpoint(linears, x),
-    "SAC, save matmuls": lambda: selective_checkpoint(linears, x, policy=MATMULS),
-}
+lin_runs = {"none": lambda: linears(x), "plain checkpoint": lambda: checkpoint(linears, x),
+            "SAC, save matmuls": lambda: selective_checkpoint(linears, x, policy=MATMULS)}
 none_kib = table["no checkpointing"][0] / 1024
 print(f"block: policy 'save everything' {save_all / 1024:.1f} KiB, no checkpointing {none_kib:.1f} KiB")
 print("4 Linear layers:", ", ".join(f"{k} {retained(r) / 1024:.1f} KiB" for k, r in lin_runs.items()))
@@ -377,8 +363,8 @@ print("4 Linear layers:", ", ".join(f"{k} {retained(r) / 1024:.1f} KiB" for k, r
 #   autograd would never save (a `clone`, a residual `add`), and dropout still re-runs.
 # * **A block made only of the ops you keep** (Linear layers, "save the matmuls") keeps every
 #   activation: no checkpointing's 128 KiB, against 32 KiB for the plain checkpoint.
-# * **Ops that run again anyway** (grey in section 1) cannot be kept. And as for any checkpoint
-#   (notebook 02): around the whole model, or around inputs the caller keeps alive, it saves nothing.
+# * As for any checkpoint (notebook 02): around the whole model, or around inputs the caller
+#   keeps alive, it saves nothing.
 #
 # ## 4 · A memory-budget planner
 #
@@ -396,14 +382,11 @@ print("4 Linear layers:", ", ".join(f"{k} {retained(r) / 1024:.1f} KiB" for k, r
 show_source(planner.solve_dp, start="best = np.zeros", stop="# Walk back")
 
 # %% [markdown]
-# The textbook case where greedy loses (one dense item that leaves no room for two that fill the
-# capacity exactly), and the exact program against brute force (every subset) on 300 random
-# problems of up to 12 items (`tests/test_planner.py` runs the same check under hypothesis):
+# The exact program against brute force (every subset) on 300 random problems of up to 12 items
+# (`tests/test_planner.py` runs the same check under hypothesis):
 
 # %%
-items = [("a", 21, 60.0), ("b", 20, 50.0), ("c", 20, 50.0)]
 SOLVERS = (planner.solve_greedy, planner.solve_dp, planner.solve_brute_force)
-print(", ".join(f"{s.__name__} keeps {sorted(s(items, 40))}" for s in SOLVERS))
 rng = random.Random(0)
 agree, greedy_worse = 0, 0
 for _ in range(300):
@@ -417,28 +400,24 @@ print(f"DP optimal in {agree}/300; greedy below the optimum in {greedy_worse}/30
 # %% [markdown]
 # ### Planning a stack
 #
-# One region per block keeps each block's input, as per-block checkpointing does, and bounds the
-# recomputation to one block at a time; the planner spends the rest of the budget across all
-# blocks at once. Calling the `Plan` runs one `selective_checkpoint` per block, with a policy that
-# keeps the chosen ops *by position* and checks that the block still runs the ops it was profiled
-# with. Four transformer blocks, profiled once, planned for five budgets from the minimum (plain
-# checkpointing) to keeping every candidate; each plan is run and measured (bytes in the budget's
-# terms: plus the first input, kept by the checkpoint; minus the output and the 4-byte loss).
+# One region per block keeps each block's input, as per-block checkpointing does; the planner
+# spends the rest of the budget across all blocks at once. Calling the `Plan` runs one
+# `selective_checkpoint` per block, with a policy that keeps the chosen ops *by position* and checks
+# that the block still runs the ops it was profiled with. Four transformer blocks, profiled once,
+# planned for five budgets from the minimum (plain checkpointing) to keeping every candidate; each
+# plan is run and measured (in the budget's terms: plus the first input, minus the output and the
+# 4-byte loss).
 
 # %%
 torch.manual_seed(0)
 blocks = [nn.TransformerEncoderLayer(64, 4, 256, 0.1, batch_first=True).train() for _ in range(4)]
 stack_leaves = [x, *(p for b in blocks for p in b.parameters())]
-def run_stack(v):
-    for b in blocks:
-        v = b(v)
-    return v
+run_stack = nn.Sequential(*blocks)
 profiles = planner.profile_sequential(blocks, x)
 minimum, maximum = budget_range(profiles)
 print(f"minimum budget {minimum / 1024:.0f} KiB (block inputs), everything kept {maximum / 1024:.0f} KiB")
 stack_expected = grads_of(lambda: run_stack(x), stack_leaves)
-with torch.no_grad():
-    OUTPUT_BYTES = run_stack(x).nbytes
+OUTPUT_BYTES = run_stack(x).detach().nbytes
 stack_base = step_cost(lambda: run_stack(x))
 
 # %%
@@ -461,15 +440,44 @@ extra = plans["greedy", 0.1].recompute_cost / plans["dp", 0.1].recompute_cost - 
 print(f"at {plans['dp', 0.1].budget / 1024:.0f} KiB greedy recomputes {extra:.1%} more than the exact plan")
 
 # %% [markdown]
-# Measured equals predicted, to the byte and the FLOP. The first ~1.2 MiB above plain
-# checkpointing buy back almost all of the recomputation. Greedy is not always optimal (at 628 KiB
-# it recomputes more, keeping more ops in the same bytes); the exact program is the default. What
-# does the plan keep, and does it run under torch's checkpoint (`Plan.torch_context_fn`)?
+# Measured equals predicted, to the byte and the FLOP; the first ~1.2 MiB above plain
+# checkpointing buy back almost all of the recomputation. **What each plan keeps**, candidate by
+# candidate: on top what keeping it saves, below its bytes, red where the plan keeps it; then what
+# one plan keeps that the other does not (block·op):
+
+# %%
+cands = [(b, r) for b, p in enumerate(profiles) for r in p.candidates]
+shown_plans, at = [plans["dp", 0.1], plans["greedy", 0.1], plans["dp", 0.25]], range(len(cands))
+fig, axes = plt.subplots(1 + len(shown_plans), 1, figsize=(13, 8), sharex=True, layout="constrained")
+axes[0].bar(at, [r.cost / 1e6 for _, r in cands], color="tab:purple", log=True)
+axes[0].set(ylabel="MFLOPs saved\nif kept", title="the 22 candidates of blocks 0, 1, 2, 3, in forward order")
+for ax, p in zip(axes[1:], shown_plans, strict=True):
+    kept = [i for i, (b, r) in enumerate(cands) if r.index in p.saved[b]]
+    ax.bar(at, [r.nbytes / 1024 for _, r in cands], color=["tab:red" if i in kept else "silver" for i in at])
+    ax.scatter(kept, [cands[i][1].nbytes / 1024 + 12 for i in kept], marker="v", color="tab:red", s=14)
+    ax.set(ylabel="KiB", ylim=(0, 150), title=f"{p.method}, budget {p.budget / 1024:.0f} KiB: red = kept "
+           f"({len(kept)} ops), grey = recomputed; {p.recompute_cost / 1e6:.2f} MFLOPs recomputed")
+for ax, b in itertools.product(axes, range(1, len(blocks))):  # black lines between blocks
+    ax.axvline(b * len(cands) / len(blocks) - 0.5, color="k", lw=0.8)
+axes[-1].set_xticks(at, [r.op.overloadpacket.__name__ for _, r in cands], rotation=90, size=7)
+save_figure(fig, "05_plans")
+plt.show()
+for p, q in (shown_plans[:2], shown_plans[1::-1]):  # what dp keeps that greedy does not, and back
+    extra = [(b, p.profiles[b].ops[i]) for b, ks in enumerate(p.saved) for i in sorted(ks - q.saved[b])]
+    kib, mflops = sum(r.nbytes for _, r in extra) / 1024, sum(r.cost for _, r in extra) / 1e6
+    names = [f"{b}·{r.op.overloadpacket.__name__}" for b, r in extra]
+    print(f"at {p.budget // 1024} KiB only {p.method} keeps {names}: {kib:.0f} KiB, {mflops:.2f} MFLOPs")
+
+# %% [markdown]
+# Matmul outputs and the blocks' last layer norm (1 KiB, marked ▼) come first, as a rule of thumb
+# would guess, but chosen by bytes (appendix B plans by measured time). At 628 KiB greedy falls
+# short: three matmul outputs per block (32, 96 and 128 KiB) tie on FLOPs per byte; greedy takes
+# the smaller first and fills the room with 32 KiB outputs, the exact plan keeps block 0's 128 KiB
+# feed-forward `addmm` instead of four of them and recomputes 0.52 MFLOPs less. Does the plan run
+# under torch's checkpoint (`Plan.torch_context_fn`)?
 
 # %%
 quarter = plans["dp", 0.25]
-names = quarter.profiles[0].ops
-print("block 0 keeps:", [names[i].op.overloadpacket.__name__ for i in sorted(quarter.saved[0])])
 def run_stack_torch(v, p=quarter):
     for i, b in enumerate(blocks):
         v = torch_checkpoint(b, v, use_reentrant=False, context_fn=p.torch_context_fn(i))
@@ -478,25 +486,19 @@ torch_planned = grads_of(lambda: run_stack_torch(x), stack_leaves)
 print("torch checkpoint with the plan == no checkpointing:", same(torch_planned, stack_expected))
 
 # %% [markdown]
-# The matmuls and the layer norm, as a rule of thumb would guess, but chosen by bytes (appendix B
-# plans by measured time instead).
-#
 # **What the model leaves out.** The budget bounds what is kept *between* forward and backward,
-# not the peak: each block's recomputation adds its tensors on top during backward. Checkmate
-# (Jain et al., MLSys 2020) models every tensor's lifetime over forward *and* backward as an
-# integer linear program and bounds the true peak; our knapsack is its special case "one
+# not the peak during backward. Checkmate (Jain et al., MLSys 2020) models every tensor's lifetime
+# as an integer linear program and bounds the true peak; our knapsack is its special case "one
 # recomputation per region". And the plan is made once, for fixed shapes; Dynamic Tensor
 # Rematerialization (DTR; Kirisame et al., ICLR 2021) decides *online*, evicting the tensor with
-# the smallest `cost / (bytes × staleness)` when memory runs out. `solve_greedy` is DTR's
-# heuristic without staleness, applied once. DTR trains an N-layer chain in Ω(√N) memory with
-# O(N) operations, the bound of Chen et al.'s √N segments (notebook 02).
+# the smallest `cost / (bytes × staleness)` (`solve_greedy` without staleness, applied once).
 #
 # ## 5 · The Pareto frontier
 #
 # The benchmark's two stacks: four `TransformerEncoderLayer`s (d_model 256, 8 × 128 tokens) and
-# eight Linear(1024) + GELU + Dropout blocks (batch 64). `pareto.measure_points` measures each
-# strategy as section 4 did: none, per-block, √N segments, "save the matmuls" (ours and torch's),
-# the planner at six budgets per solver, and CPU offload. About half a minute:
+# eight Linear(1024) + GELU + Dropout blocks (batch 64), each strategy measured as in section 4:
+# none, per-block, √N segments, "save the matmuls" (ours and torch's), the planner at six budgets
+# per solver, and CPU offload:
 
 # %%
 workloads = {"transformer-4": bench.transformer(4), "mlp-8": bench.mlp(8)}
@@ -510,7 +512,6 @@ for name, pts in points.items():
 # %%
 fig = pareto.plot(points, frontiers)
 save_figure(fig, "05_frontier")
-plt.show()
 
 # %%
 for name, pts in points.items():
@@ -527,21 +528,19 @@ for name, pts in points.items():
 
 # %% [markdown]
 # * **A staircase with a cliff.** On the transformer, the first ~50 MiB above plain checkpointing
-#   buy back almost all of the recomputation: the matmul outputs. "Save the matmuls" (ours and
+#   (the matmul outputs) buy back almost all of the recomputation. "Save the matmuls" (ours and
 #   torch's, on top of each other) sits at the cliff's foot, on the frontier.
 # * **√N segments** is off it: 4 blocks make 2 segments, the last unchecked. It shines on long
 #   chains of equal blocks (notebook 02).
-# * **The planner's top end** is not "no checkpointing": every block stays a checkpoint, so its last
-#   point keeps more (section 3.1). Letting it leave a block unchecked would close the gap. Not built.
-# * **CPU offload**: only the input stays on the device, nothing is recomputed, every saved byte
-#   moves out and back.
+# * **The planner's top end** keeps more than "no checkpointing": every block stays a checkpoint
+#   (section 3.1).
 #
 # ## 6 · CPU offload
 #
 # Move saved tensors to host memory in the forward and back in backward: no FLOPs, every byte over
 # PCIe twice. `ckpt_lab.offload.offload_to_cpu` is notebook 03's pack/unpack hook with pinned,
-# non-blocking copies on CUDA, byte counts, and parameters left in place (their `AccumulateGrad`
-# node keeps them alive anyway). On this CPU-only machine `include_cpu_tensors=True` is a dry run.
+# non-blocking copies on CUDA, byte counts, and parameters left in place. On this CPU-only machine
+# `include_cpu_tensors=True` is a dry run.
 
 # %%
 torch.manual_seed(0)
@@ -559,10 +558,14 @@ print(f"moved to host: {hooks.tensors_moved} tensors, {hooks.bytes_moved / 1024:
       f"({hooks.bytes_kept / 1024:.0f} KiB: parameters, which stay alive anyway)")
 PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16, about 25 GB/s each way: out in forward, back in backward
 print(f"estimated transfer: {2 * hooks.bytes_moved / PCIE_BYTES_PER_S * 1e6:.0f} µs per step for this MLP")
+fig, ax = plt.subplots(figsize=(6, 1.4))  # where the saved tensors wait for backward
+ax.barh(["offload", "no offload"], [hooks.bytes_kept / 1024, (hooks.bytes_kept + hooks.bytes_moved) / 1024])
+ax.barh(["offload"], [hooks.bytes_moved / 1024], left=[hooks.bytes_kept / 1024])
+ax.set(xlabel="saved KiB: blue stays on the device, orange moves to the host")
+save_figure(fig, "05_offload")
 
 # %% [markdown]
-# On a GPU those bytes leave device memory (1 MiB costs about 80 µs of transfer).
-# `tests/test_offload.py` checks on CUDA that `memory_allocated` drops; it has not run here.
+# On a GPU, `tests/test_offload.py` checks that `memory_allocated` drops (not run here).
 #
 # ## 7 · The BatchNorm pitfall
 #
@@ -581,52 +584,56 @@ def one_step(wrap, fix=False):
     _ = hooks and hooks.remove()
     bn = model[1]
     return bn.num_batches_tracked.item(), bn.running_mean.clone(), [p.grad for p in model.parameters()]
-variants = {
-    "no checkpointing": lambda m, w: m(w),
-    "torch reentrant": lambda m, w: torch_checkpoint(m, w, use_reentrant=True),
-    "torch non-reentrant": lambda m, w: torch_checkpoint(m, w, use_reentrant=False),
-    "ckpt_lab.reentrant_checkpoint": reentrant_checkpoint,
-    "ckpt_lab.checkpoint": checkpoint,
-}
+variants = {"no checkpointing": lambda m, w: m(w), "ckpt_lab.checkpoint": checkpoint,
+            "ckpt_lab.reentrant_checkpoint": reentrant_checkpoint,
+            "torch reentrant": lambda m, w: torch_checkpoint(m, w, use_reentrant=True),
+            "torch non-reentrant": lambda m, w: torch_checkpoint(m, w, use_reentrant=False)}
 ref_count, ref_mean, ref_grads = one_step(variants["no checkpointing"])
 print(f"{'':<30} batches mean / plain grads ok | fixed: batches mean ok grads ok")
+counts = {}  # num_batches_tracked after one step: (without the fix, with it)
 for name, wrap in variants.items():
     count, mean, grads = one_step(wrap)
     fixed_count, fixed_mean, fixed_grads = one_step(wrap, fix=True)
+    counts[name] = (count, fixed_count)
     ratio = (mean / ref_mean).mean().item()  # the running mean starts at 0; each update: 0.1 of the gap
     print(f"{name:<30} {count:>7} {ratio:>12.2f} {same(grads, ref_grads)!s:>8} | "
           f"{fixed_count:>14} {torch.equal(fixed_mean, ref_mean)!s:>7} {same(fixed_grads, ref_grads)!s:>8}")
+fig, ax = plt.subplots(figsize=(6, 2.2))
+for k in range(2):
+    ax.barh([i + 0.4 * k - 0.2 for i in range(len(counts))], [c[k] for c in counts.values()], 0.4)
+ax.set(yticks=range(len(counts)), yticklabels=list(counts), ylim=(len(counts) - 0.5, -0.5), xticks=[0, 1, 2],
+       xlabel="num_batches_tracked after one step: blue without the fix, orange with it")
+save_figure(fig, "05_batchnorm")
 
 # %% [markdown]
 # Every checkpoint counts two batches and moves the running mean 1.9 times as far (0.1 of the batch
-# mean, then 0.1 more of what is left). The gradients are unaffected, so nothing fails; the model
-# just evaluates worse. `skip_stats_update_in_recompute` treats a forward *inside backward* as a
-# recomputation and swaps the module's buffers for scratch copies for its duration (a post-hook,
-# registered with `always_call=True`, puts them back even when the recomputation stops early by
-# raising):
+# mean, then 0.1 more of what is left). Gradients are unaffected, so nothing fails.
+# `skip_stats_update_in_recompute` hooks each BatchNorm. In training, a forward *inside backward*
+# is a recomputation: the pre-hook stashes the real buffers and swaps in copies; a post-hook
+# with `always_call=True` puts them back, even when the recomputation stops early by raising:
 
 # %%
-show_source(skip_stats_update_in_recompute, start="def pre_hook", stop="def post_hook")
+show_source(skip_stats_update_in_recompute, start="with _disable_current_modes", stop="def post_hook")
 
 # %% [markdown]
 # Why not `track_running_stats = False` instead? `native_batch_norm` then saves two tensors fewer
 # than in the forward, and the non-reentrant checkpoints, which match saved tensors by position,
 # refuse (`tests/test_batchnorm.py`). `gradient_checkpoint_scope` (notebook 04) needs no fix: it
-# already redirects in-place writes to outside tensors into copies (same test file).
+# already redirects in-place writes to outside tensors into copies.
 #
 # ## Summary
 #
 # | question | answer | where |
 # |---|---|---|
 # | Where are a block's bytes and FLOPs? | matmuls: 31% of candidate bytes, 98% of FLOPs | §1 |
-# | What runs when under SAC? | policy per op, in forward only; backward re-runs the block, serving kept outputs, stopping early | §2.2 |
-# | What runs again whatever the policy says? | in-place, view, random ops; torch 2.13's SAC gets kept random ops wrong | §2.1, §2.3 |
+# | What runs when under SAC? | policy asked in forward; backward re-runs the block, serving kept outputs | §2.2 |
+# | What runs again anyway? | in-place, view, random ops; torch 2.13's SAC gets kept random ops wrong | §2.1, §2.3 |
 # | Ours and torch's SAC? | same bytes (416 KiB) and FLOPs; 3% of plain checkpointing's recompute | §3 |
-# | Where does SAC save nothing? | keeping everything (1282 > 994 KiB); a block of kept ops only (128 = 128 KiB) | §3.1 |
+# | Where does SAC save nothing? | keeping everything (1282 > 994 KiB); a block of kept ops only | §3.1 |
 # | What to keep for a byte budget? | a 0/1 knapsack, exact DP (greedy 1.9% worse at 628 KiB); measured = predicted | §4 |
-# | Where does each strategy sit? | SAC on the frontier; √N off it for few large blocks; offload at zero recompute | §5 |
-# | What does offload cost? | every saved byte out and back over PCIe, no FLOPs | §6 |
-# | BatchNorm under checkpointing? | two batches per step; `skip_stats_update_in_recompute` makes it one | §7 |
+# | Where does each strategy sit? | SAC on the frontier; √N off it for few large blocks | §5 |
+# | Offload's cost? | every saved byte out and back over PCIe, no FLOPs | §6 |
+# | BatchNorm? | two batches per step; `skip_stats_update_in_recompute` makes it one | §7 |
 #
 # ---
 #
@@ -635,7 +642,7 @@ show_source(skip_stats_update_in_recompute, start="def pre_hook", stop="def post
 # ### A · Refusals
 #
 # An overload family as a policy, a function that runs other ops when recomputed, a budget below
-# the minimum, and a plan used for another computation are each refused with the reason:
+# the minimum, and a plan used for another computation are each refused, with the reason:
 
 # %%
 calls = itertools.count()
@@ -657,12 +664,10 @@ _ = blocks[2].train()
 # %% [markdown]
 # ### B · Planning by measured time
 #
-# With `cost="time"` the profile times each op instead of counting FLOPs. Machine-dependent: nbval
-# does not check this output.
+# With `cost="time"` the profile times each op instead of counting FLOPs (machine-dependent: nbval
+# does not check this output):
 
 # %% tags=["nbval-ignore-output"]
 timed = plan_sequential(blocks, x, budget=quarter.budget, cost="time")
-kept_by_time = [timed.profiles[0].ops[i].op.overloadpacket.__name__ for i in sorted(timed.saved[0])]
-print("block 0 keeps (by time):", kept_by_time)
-within = timed.retained_bytes <= quarter.budget
-print(f"predicted recomputation: {timed.recompute_cost * 1e3:.2f} ms per step, within budget: {within}")
+print("kept, by time:", timed.saved_ops, "| within budget:", timed.retained_bytes <= quarter.budget)
+print(f"predicted recomputation: {timed.recompute_cost * 1e3:.2f} ms per step")

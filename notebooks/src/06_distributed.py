@@ -122,8 +122,33 @@ for strategy, (rank0, rank1) in default_runs.items():
 # forward, once in backward's recomputation), 3 times without; the scope replays the block's
 # recorded aten ops instead of calling the module, so its module count stays 3.
 #
-# With DDP's default options even the reentrant checkpoints work. Two settings that real models
-# need break them.
+# **Why the reference matches**: the all-reduce, replayed in this process on the workers' model and
+# batch. Each rank's gradient of the head's weight on its 4 samples, their average (what every rank
+# steps with), and one process's gradient on all 8:
+
+# %%
+net, (inputs, targets) = distributed._build(), distributed._global_batch(8)
+def head_grad(rows):
+    net.zero_grad()
+    torch.nn.functional.mse_loss(net(inputs[rows]), targets[rows]).backward()
+    return net.head.weight.grad.flatten().clone()
+grads = {"rank 0, samples 0-3": head_grad(slice(0, 4)), "rank 1, samples 4-7": head_grad(slice(4, 8))}
+grads["all-reduce / 2: each rank's step"] = (grads["rank 0, samples 0-3"] + grads["rank 1, samples 4-7"]) / 2
+grads["one process, samples 0-7"] = head_grad(slice(0, 8))
+fig, ax = plt.subplots(figsize=(11, 2.6), layout="constrained")
+for k, (label, g) in enumerate(grads.items()):
+    ax.bar(torch.arange(len(g)) + 0.2 * k - 0.3, g, width=0.2, label=label)
+ax.set(xlabel="head.weight, entry by entry", ylabel="gradient", xticks=range(16))
+ax.legend(fontsize=8, ncols=2)
+save_figure(fig, "06_ddp_average")
+plt.show()
+average, whole = list(grads.values())[2:]
+print("average of the ranks == whole batch, to 1e-12:", torch.allclose(average, whole, rtol=0, atol=1e-12))
+
+# %% [markdown]
+# The ranks' gradients differ (different samples); their average is the whole batch's, to
+# rounding, because the loss is a mean over samples. With DDP's default options even the reentrant
+# checkpoints work. Two settings that real models need break them.
 #
 # ## 2. The failure: "marked as ready twice"
 #
@@ -386,11 +411,11 @@ assert all(agree)
 # did not fire in the first iteration, not one the walk missed:
 
 # %%
-lines = [f"{'strategy':32} {'setting':28} {'error':6} {'params=ref':11} grads=ref"]
+lines, static = [f"{'strategy':32} {'setting':28} {'error':6} {'params=ref':11} grads=ref"], {}
 for strategy in REENTRANT:
     for label, options in failing_options.items():
-        rank0, rank1 = run_workers(ddp_train_steps, timeout=120, strategy=strategy, static_graph=True,
-                                   **options)
+        static[strategy, label] = rank0, rank1 = run_workers(
+            ddp_train_steps, timeout=120, strategy=strategy, static_graph=True, **options)
         assert rank0 == rank1
         assert rank0.error is None and rank0.params_match_reference and rank0.grads_match_reference
         lines.append(f"{strategy:32} {label:28} {rank0.error is not None!s:6} "
@@ -401,9 +426,59 @@ print("\n".join(lines))
 # It works, with conditions: the graph must really be static (no data-dependent choice of which
 # parameters are used), and the first iteration reduces all gradients at its very end, without
 # overlap. **The non-reentrant checkpoint needs no flag at all** (§2's table): `ckpt_lab.checkpoint`,
-# torch's `use_reentrant=False` and the scope all keep the ordinary graph. This is one of the
-# reasons PyTorch moved checkpointing away from a custom `autograd.Function`, asks every caller to
-# pass `use_reentrant` explicitly, and recommends `False`.
+# torch's `use_reentrant=False` and the scope all keep the ordinary graph.
+#
+# **Why each fix works**, in the reducer's terms. `block_marks` runs two iterations of one model in
+# this process (`trace_parameter_hooks` twice) and reports for one block parameter (the blocks' six
+# behave alike, §3) what the second iteration brings, the walk's mark (only without `static_graph`)
+# and the hook firings, against the count DDP waits for: one, or under `static_graph` the firings it
+# counted in the first iteration:
+
+# %%
+def block_marks(strategy, options, static_graph=False, name="blocks.0.linear.weight"):
+    """(walk's mark, outer firings, nested firings) of one parameter in a model's second iteration, and
+    the count DDP waits for: 1, or with static_graph the firings of the first iteration."""
+    _ = torch.manual_seed(0)
+    model = TinyNet(strategy=strategy, repeat=options.get("repeat", 1)).double()
+    first, later = ({h.name: h for h in trace_parameter_hooks(model, x)}[name] for _ in range(2))
+    walk = int(options.get("find_unused_parameters", False) and not static_graph and not later.reachable)
+    waits = first.fired_outer + first.fired_nested if static_graph else 1
+    return walk, later.fired_outer, later.fired_nested, waits
+
+
+# %%
+configs = [("torch reentrant", False), ("torch reentrant", True), ("torch non-reentrant", False),
+           ("ckpt_lab.checkpoint", False), ("ckpt_lab.gradient_checkpoint_scope", False)]
+names = [s + (" + static_graph=True" if g else "") for s, g in configs]
+legends = ["declared unused by the walk", "hook, outer backward", "hook, nested backward"]
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharey=True, layout="constrained")
+for ax, (label, options) in zip(axes, failing_options.items(), strict=True):
+    summary = []
+    for row, (strategy, static_graph) in enumerate(configs):
+        *parts, waits = block_marks(strategy, options, static_graph)
+        for i, (value, color) in enumerate(zip(parts, ["grey", "tab:green", "tab:red"], strict=True)):
+            ax.barh(row, value, left=sum(parts[:i]), color=color, label=legends[i] if row == 0 else "_")
+        ax.plot([waits] * 2, [row - 0.45, row + 0.45], "k", lw=3, label="DDP waits for" if row == 0 else "_")
+        error = (static if static_graph else runs)[strategy, label][0].error
+        ax.text(2.1, row, "DDP raised" if error else "DDP trained", va="center", fontsize=9)
+        assert (sum(parts) != waits) == (error is not None)  # the replay predicts DDP's verdict
+        summary.append(f"{names[row]} {sum(parts)}/{waits}")
+    ax.set(title=label, xlim=(0, 2.9), xticks=[0, 1, 2], xlabel="blocks.0.linear.weight: marks, one backward")
+    print(f"{label}, marks/waits for: " + ", ".join(summary))
+axes[0].set_yticks(range(len(configs)), names)
+axes[0].invert_yaxis()
+fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=8)
+save_figure(fig, "06_fixes")
+plt.show()
+
+# %% [markdown]
+# First row, the failure: two marks where DDP waits for one. `static_graph=True` changes what DDP
+# waits for, not the graph: no walk, and it waits for the count it learned (one firing with
+# `find_unused_parameters`, two with tied weights), so the nested backwards' firings are expected.
+# The non-reentrant checkpoints change the graph instead: one firing, in the outer backward, as
+# without checkpointing. Each verdict is DDP's own in the runs above, and the replay agrees with
+# all ten. This is one of the reasons PyTorch moved checkpointing away from a custom
+# `autograd.Function`, asks every caller to pass `use_reentrant` explicitly, and recommends `False`.
 #
 # ## 5. FSDP: sharded parameters, checkpointed activations
 #
