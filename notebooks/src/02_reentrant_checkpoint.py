@@ -421,6 +421,9 @@ print("same numbers as .backward():", all_equal(grads_by_grad, [x.grad, *(p.grad
 # (Forward mode would need one pass per input entry: 65,536 for `x`.) The reentrant checkpoint
 # refuses `autograd.grad` (`torch.autograd._is_checkpoint_valid()` tells it). Draft 2, unguarded,
 # shows why: its nested backward writes the parameters' `.grad`, which `autograd.grad` must not.
+# In §2's picture, that is the nested-backward lane: its `AccumulateGrad` nodes write `.grad`.
+#
+# ![what runs when: the nested backward inside the checkpoint's backward](../images/02_schedule.png)
 
 # %%
 clear_grads(x, *params)
@@ -445,7 +448,10 @@ print("non-reentrant checkpoint + autograd.grad equals plain:", all_equal(grads_
 show_source(torch.utils.checkpoint.CheckpointFunction.forward, start="with torch.no_grad():")
 
 # %% [markdown]
-# `ckpt_lab`'s has none; the block sees grad off anyway (`apply` switches it off, notebook 01).
+# `ckpt_lab`'s has none; the block sees grad off anyway: `apply` switches it off before `forward`
+# (step 2 of notebook 01's picture):
+#
+# ![what Function.apply does, in order](../images/01_apply_sequence.png)
 
 # %%
 seen = []
