@@ -26,6 +26,7 @@ __all__ = [
     "plot_timeline",
     "save_figure",
     "save_png",
+    "show_dot",
 ]
 
 # The checkout's images/ folder, where `make notebooks` saves the pictures.
@@ -90,6 +91,16 @@ def save_png(png: bytes, name: str) -> None:
     if _saving():
         IMAGES.mkdir(exist_ok=True)
         (IMAGES / f"{name}.png").write_bytes(png)
+
+
+def show_dot(dot: str, name: str) -> Any:
+    """Render DOT to PNG, save it as ``images/name.png`` when regenerating, and return it for display."""
+    import graphviz
+    from IPython.display import Image
+
+    png = graphviz.Source(dot).pipe(format="png")
+    save_png(png, name)
+    return Image(png)
 
 
 def save_figure(fig: Any, name: str) -> None:

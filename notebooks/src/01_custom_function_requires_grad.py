@@ -46,15 +46,13 @@
 import timeit
 import warnings
 
-import graphviz
 import matplotlib.pyplot as plt
 import torch
-from IPython.display import Image
 from torch import nn
 
 from ckpt_lab.grad_rule import InputSpec, LinearFunction, OutputSpec, predict_requires_grad
 from ckpt_lab.helpers.show import show_source
-from ckpt_lab.helpers.viz import draw_graph, plot_timeline, save_figure, save_png
+from ckpt_lab.helpers.viz import draw_graph, plot_timeline, save_figure, show_dot
 from ckpt_lab.instruments import LiveMemory, OpCounter, SavedTensorLog, measure_memory
 
 _ = torch.manual_seed(0)
@@ -287,9 +285,7 @@ wrapped [label="set_history: grad_fn =\\nthe Function's node{at['wrapped']}", fi
 not_diff [label="no grad_fn{at['not_diff']}"]; mode -> anyrg [label="yes"]; mode -> not_exec [label="no"];
 anyrg -> exe [label="yes"]; anyrg -> not_exec [label="no"]; exe -> diff;
 diff -> wrapped [label="yes"]; diff -> not_diff [label="no"]; }}"""
-png = graphviz.Source(dot).pipe(format="png")
-save_png(png, "01_requires_grad_rule")  # when regenerating the notebook: images/01_requires_grad_rule.png
-Image(png)
+show_dot(dot, "01_requires_grad_rule")  # when regenerating the notebook: images/01_requires_grad_rule.png
 
 # %% [markdown]
 # ## 4. Why `forward` runs with grad off

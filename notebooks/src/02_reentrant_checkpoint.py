@@ -37,10 +37,8 @@
 import itertools
 import warnings
 
-import graphviz
 import matplotlib.pyplot as plt
 import torch
-from IPython.display import Image
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -48,7 +46,7 @@ import ckpt_lab
 from ckpt_lab import OpCounter, SavedTensorLog, measure_memory
 from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.tensors import all_equal
-from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, save_figure, save_png
+from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, save_figure, show_dot
 from ckpt_lab.reentrant import CheckpointFunction, reentrant_checkpoint
 
 print("torch", torch.__version__)
@@ -67,8 +65,7 @@ def show_rows(rows, name):  # per row, a chain of boxes (DOT -> PNG), saved as i
         dot += f'subgraph cluster{k} {{ label="{title}"; ' + "".join(f'n{k}{i} [label="{b}"]; '
                                                                   for i, b in enumerate(boxes))
         dot += " -> ".join(f"n{k}{i}" for i in range(len(boxes))) + "; } "
-    save_png(png := graphviz.Source(dot + "}").pipe(format="png"), name)
-    return Image(png)
+    return show_dot(dot + "}", name)
 def step_grads(run, x, model, seed=1):  # the gradients of one seeded training step
     clear_grads(x, *model.parameters())
     _ = torch.manual_seed(seed)

@@ -45,16 +45,14 @@ import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
-import graphviz
 import matplotlib.pyplot as plt
 import torch
-from IPython.display import Image
 from torch import nn
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 
 from ckpt_lab import CallCounter, SavedTensorLog, checkpoint, measure_memory
 from ckpt_lab.helpers.show import show_source
-from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, save_figure, save_png
+from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, save_figure, show_dot
 
 _ = torch.manual_seed(0)
 print("torch", torch.__version__)
@@ -145,12 +143,6 @@ for label, (saved, original) in cases.items():
 # saved output.
 
 # %%
-def show_dot(dot_source, name):
-    """Render DOT to PNG, save it as images/<name>.png when regenerating, and display it."""
-    png = graphviz.Source(dot_source).pipe(format="png")
-    save_png(png, name)
-    return Image(png)
-
 show_dot("""digraph { rankdir=LR; node [shape=box, fontname=Helvetica, fontsize=11];
  edge [fontname=Helvetica, fontsize=10];
  e [label="tensor e\\ngrad_fn = ExpBackward0"]; h [label="tensor h\\ngrad_fn = SinBackward0"];

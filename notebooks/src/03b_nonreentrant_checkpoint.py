@@ -42,11 +42,9 @@ import inspect
 import itertools
 import warnings
 
-import graphviz
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
-from IPython.display import Image
 from torch import nn
 from torch._higher_order_ops.wrap import tag_activation_checkpoint_impl
 from torch.autograd.graph import saved_tensors_hooks
@@ -56,7 +54,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from ckpt_lab import CallCounter, CheckpointError, LiveMemory, OpCounter, checkpoint
 from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.tensors import all_equal, grads, leaves
-from ckpt_lab.helpers.viz import plot_timeline, save_figure, save_png
+from ckpt_lab.helpers.viz import plot_timeline, save_figure, show_dot
 from ckpt_lab.instruments import measure_memory
 from ckpt_lab.nonreentrant import _recompute, _unpack_from_handle
 from ckpt_lab.reentrant import reentrant_checkpoint
@@ -228,9 +226,7 @@ h [label="_Handle × {alive}\\nempty until backward"]; x [label="input x\\n{x.nb
 fr [label="_Frame\\nfunction, RNG state,\\n{len(frame.metas)} × (shape, dtype, device)", style=filled];
 si [label="_SaveInputs node\\n(saved tensors)"]; sv -> h [label="owns"]; sv -> fr [label="closure"];
 fr -> h [style=dashed, label="weak refs"]; fr -> si [label="saver"]; si -> x; }}"""
-png = graphviz.Source(dot).pipe(format="png")
-save_png(png, "03b_ownership")
-Image(png)
+show_dot(dot, "03b_ownership")
 
 # %% [markdown]
 # A graph task's first unpack runs one re-run that fills *every* live handle; each unpack then pops
@@ -504,10 +500,8 @@ def graph_cluster(out, title):  # the autograd graph behind `out` (a tree here),
 
 clusters = [graph_cluster(run(lambda x: layer(x).tanh(), x), title) for title, run in
             {"reentrant_checkpoint": reentrant_checkpoint, "ckpt_lab.checkpoint": checkpoint}.items()]
-png = graphviz.Source("digraph { node [shape=box, fontname=Helvetica, fontsize=11]; "
-                      + " ".join(clusters) + " }").pipe(format="png")
-save_png(png, "03b_graph_shapes")
-Image(png)
+show_dot("digraph { node [shape=box, fontname=Helvetica, fontsize=11]; " + " ".join(clusters) + " }",
+         "03b_graph_shapes")
 
 # %% [markdown]
 # The reentrant graph is one opaque node saving the input itself; `weight` and `bias` are out of the

@@ -53,11 +53,9 @@
 import contextlib
 from itertools import pairwise
 
-import graphviz
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
-from IPython.display import Image
 from torch import nn
 from torch._C._autograd import _pop_saved_tensors_default_hooks as pop_hooks
 from torch._C._autograd import _push_saved_tensors_default_hooks as push_hooks
@@ -70,7 +68,7 @@ from ckpt_lab import checkpoint as ckpt_lab_checkpoint
 from ckpt_lab.bench.workloads import mlp
 from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.tensors import all_equal, grads, leaves
-from ckpt_lab.helpers.viz import save_figure, save_png
+from ckpt_lab.helpers.viz import save_figure, show_dot
 from ckpt_lab.instruments.memory import measure_memory
 from ckpt_lab.scope import _PackHook, _thread
 
@@ -97,10 +95,6 @@ def describe(pack):
     if isinstance(pack, _PackHook):
         return "resident entry (ours)" if pack.below is None else f"ours, others to {describe(pack.below[0])}"
     return getattr(pack, "__name__", type(pack).__name__)
-def show_dot(dot, name):  # render DOT to PNG, save it as images/<name>.png when regenerating, display it
-    png = graphviz.Source(dot).pipe(format="png")
-    save_png(png, name)
-    return Image(png)
 
 # %% [markdown]
 # ## 1. Below autograd: `TorchDispatchMode`
