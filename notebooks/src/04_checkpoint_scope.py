@@ -331,8 +331,9 @@ plt.close(fig)
 #
 # The scope records, before each random op, the state of the generator it draws from (CPU, and
 # every *initialised* accelerator); the replay sets that state back before re-running the op, in a
-# `fork_rng`-style fork: the forward's masks (even if the code reseeds between them), and the
-# caller's stream untouched. A mode logs each dropout mask (`bernoulli_`) and the state before it:
+# `fork_rng`-style fork: the forward's masks (even if the code reseeds between them: last cell of
+# this section), and the caller's stream untouched. A mode logs each dropout mask (`bernoulli_`) and
+# the state before it:
 
 # %%
 class DropoutLog(TorchDispatchMode):  # (forward or replay, the CPU generator's state before, the mask)
@@ -376,6 +377,19 @@ show_dot(f"""digraph {{ rankdir=LR; node [shape=box, fontname=Helvetica, fontsiz
  re [label="the fork ends: the caller's\\nnext torch.rand equal: {torch.equal(plain_run[2], scope_run[2])}"];
  {{rank=same; fs; rs}} {{rank=same; fe; re}} {masks} {path("f", "fs", "fe")}; {path("r", "rs", "re")}; }}""",
          "04_rng_replay")
+
+# %%
+def reseeded(scope):  # the code reseeds between two random ops inside the scope
+    _ = torch.manual_seed(0)
+    a, c = leaves((4, 256), (256,))
+    with scope():
+        x = F.dropout(a.sin(), p=0.5)
+        _ = torch.manual_seed(7)
+        x = F.dropout(x, p=0.3)
+    (x * c).sum().backward()
+    return grads(a, c)
+print("reseeded inside the scope, gradients bitwise equal:",
+      all_equal(reseeded(contextlib.nullcontext), reseeded(gradient_checkpoint_scope)))
 
 # %% [markdown]
 # ## 5. Memory on a chain of scoped blocks: what is kept, what runs when
@@ -519,21 +533,28 @@ plt.close(fig)
 # replay rebuilds the value from before the write (no version counter sees a `.data` write).
 
 # %%
-def data_write_case(scope):
+def write_case(scope, write):
     _ = torch.manual_seed(0)
     a, c = leaves((1000,), (1000,))
     with scope():
         w = a.sin()
-    w.data.mul_(3)  # a write that bumps no version counter
+    write(w)
     (w * c).sum().backward()
     return grads(a, c)
-plain, scoped = data_write_case(contextlib.nullcontext), data_write_case(gradient_checkpoint_scope)
-print("a.grad equal:", torch.equal(plain[0], scoped[0]), "| c.grad equal:", torch.equal(plain[1], scoped[1]),
-      "| c.grad, scope / plain:", round((scoped[1] / plain[1]).mean().item(), 3))
+def through_data(w):
+    w.data.mul_(3)  # a write that bumps no version counter
+def under_no_grad(w):
+    with torch.no_grad():
+        w.mul_(3)  # a write that bumps the version
+for write in through_data, under_no_grad:
+    plain, scoped = write_case(contextlib.nullcontext, write), write_case(gradient_checkpoint_scope, write)
+    ratio = round((scoped[1] / plain[1]).mean().item(), 3)
+    print(f"{write.__name__:<13} a.grad equal:", torch.equal(plain[0], scoped[0]), "| c.grad equal:",
+          torch.equal(plain[1], scoped[1]), "| c.grad, scope / plain:", ratio)
 
 # %% [markdown]
-# Written under `torch.no_grad()` instead (`w.mul_(3)`), the version moves, the scope sees it, and
-# both gradients equal the plain run's (a test checks it). Second, an alias made *after* the scope
+# Written under `torch.no_grad()` instead (second line), the version moves, the scope sees it, and
+# both gradients equal the plain run's. Second, an alias made *after* the scope
 # (`x.detach()`, `x.data`) is a plain tensor: autograd stores it, and with it the storage (memory,
 # never gradients). Third, the hook stays on the stack while any scope tensor lives, and `torch.func`
 # refuses to run under it:
