@@ -5,8 +5,10 @@ The public API (names and signatures are stable), in the order the notebooks bui
 * ``reentrant_checkpoint(function, *args, preserve_rng_state=True)`` -- notebook 02 (``reentrant``)
 * ``checkpoint_sequential(functions, segments, input, use_reentrant=False, preserve_rng_state=True)``
   -- notebook 02b (``sequential``)
-* ``checkpoint(function, *args, preserve_rng_state=True, context_fn=None, use_reentrant=False, **kwargs)``
-  -- notebook 03b (``nonreentrant``)
+* ``checkpoint(function, *args, preserve_rng_state=True, context_fn=noop_context_fn,
+  determinism_check="default", debug=False, early_stop=True, use_reentrant=False, **kwargs)``
+  -- notebook 03b (``nonreentrant``), with torch's ``set_checkpoint_early_stop`` and
+  ``set_checkpoint_debug_enabled``
 * ``gradient_checkpoint_scope()`` -- notebook 04 (``scope``)
 * ``selective_checkpoint(function, *args, policy, ...)`` -- notebook 05 (``selective``), with the
   modules ``planner`` (an eager memory-budget planner), ``offload`` (saved tensors to CPU) and
@@ -26,7 +28,12 @@ from ckpt_lab.explain import explain as explain
 from ckpt_lab.instruments.counting import CallCounter, OpCounter, count_flops
 from ckpt_lab.instruments.memory import LiveMemory, MemoryReport, measure_memory
 from ckpt_lab.instruments.saved import SavedTensorLog
-from ckpt_lab.nonreentrant import CheckpointError, checkpoint
+from ckpt_lab.nonreentrant import (
+    CheckpointError,
+    checkpoint,
+    set_checkpoint_debug_enabled,
+    set_checkpoint_early_stop,
+)
 from ckpt_lab.reentrant import reentrant_checkpoint
 from ckpt_lab.scope import gradient_checkpoint_scope
 from ckpt_lab.selective import selective_checkpoint
@@ -47,4 +54,6 @@ __all__ = [
     "measure_memory",
     "reentrant_checkpoint",
     "selective_checkpoint",
+    "set_checkpoint_debug_enabled",
+    "set_checkpoint_early_stop",
 ]

@@ -76,6 +76,8 @@ class offload_to_cpu(saved_tensors_hooks):
             and not _keeps_its_own_storage(tensor)
         )
 
+    # Eager even under torch.compile: NOTE [ Checkpoints under torch.compile ] (ckpt_lab.compiled).
+    @torch.compiler.disable
     def _pack(self, tensor: torch.Tensor) -> _Packed:
         if not self._should_move(tensor):
             self.tensors_kept += 1
@@ -93,6 +95,7 @@ class offload_to_cpu(saved_tensors_hooks):
         self.bytes_moved += tensor.nbytes
         return (tensor.device, cpu)
 
+    @torch.compiler.disable
     def _unpack(self, packed: _Packed) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed

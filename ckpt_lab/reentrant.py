@@ -27,18 +27,31 @@ from typing import Any
 
 import torch
 
+from ckpt_lab.compiled import run_eagerly
 from ckpt_lab.rng import ReplayState
 
 __all__ = ["CheckpointFunction", "reentrant_checkpoint"]
 
 
-def reentrant_checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True) -> Any:
+def reentrant_checkpoint(
+    function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True, **options: Any
+) -> Any:
     """``function(*args)``, storing only the inputs; the activations are recomputed in backward.
 
     Like ``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)``.
     ``preserve_rng_state=False`` skips the RNG snapshot: only safe if ``function`` draws no random
     numbers (no dropout), or if different ones in the recomputation are acceptable.
+    ``options`` takes torch's keywords as torch's reentrant variant does, so that a call written for
+    torch drops in: ``use_reentrant=True``, ``determinism_check`` and ``early_stop`` are accepted and
+    ignored (this variant has neither); ``context_fn`` or ``debug=True`` raise ``ValueError``, and so
+    does any other keyword: none is passed on to ``function`` (use ``ckpt_lab.checkpoint`` for that).
     """
+    if torch.compiler.is_compiling():
+        # NOTE [ Checkpoints under torch.compile ] (ckpt_lab.compiled): a graph break, then eager.
+        return run_eagerly(
+            reentrant_checkpoint, function, *args, preserve_rng_state=preserve_rng_state, **options
+        )
+    _check_options(options)
     if not torch.is_grad_enabled():
         # No graph will be built, so there is nothing to save and nothing to recompute.
         return function(*args)
@@ -46,14 +59,41 @@ def reentrant_checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_
         # The autograd node only joins the graph through inputs that require grad; without one the
         # outputs are plain constants and parameters inside ``function`` never see a gradient.
         warnings.warn(
-            "reentrant_checkpoint: none of the tensor inputs requires grad, so the output will not "
+            "None of the inputs have requires_grad=True. Gradients will be None "
+            "(reentrant_checkpoint: none of the tensor inputs requires grad, so the output will not "
             "require grad and parameters used inside the function will get no gradient. Make an "
             "input require grad (e.g. x.requires_grad_()), or use ckpt_lab.checkpoint (the "
-            "non-reentrant variant), which tracks parameters too.",
+            "non-reentrant variant), which tracks parameters too.)",
             UserWarning,
             stacklevel=2,
         )
     return CheckpointFunction.apply(function, preserve_rng_state, *args)
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """torch's checks on the keywords of its reentrant variant, with torch's messages first."""
+    if options.pop("use_reentrant", True) is not True:
+        raise ValueError(
+            "reentrant_checkpoint: use_reentrant must be True here (this is the reentrant variant); "
+            "for use_reentrant=False call ckpt_lab.checkpoint."
+        )
+    context_fn = options.pop("context_fn", None)
+    debug = options.pop("debug", False)
+    # Accepted by torch's reentrant variant and ignored there: it has no determinism check and no early stop.
+    options.pop("determinism_check", None)
+    options.pop("early_stop", None)
+    if (context_fn is not None and getattr(context_fn, "__name__", "") != "noop_context_fn") or debug:
+        raise ValueError(
+            "Passing `context_fn` or `debug` is only supported when use_reentrant=False. "
+            "(reentrant_checkpoint recomputes inside its own backward, with no hook for a context or an "
+            "op log; call ckpt_lab.checkpoint, the non-reentrant variant, which takes both.)"
+        )
+    if options:
+        raise ValueError(
+            "Unexpected keyword arguments: " + ",".join(options) + " (reentrant_checkpoint passes no "
+            "keyword arguments to the function: bind them first, e.g. with functools.partial, or call "
+            "ckpt_lab.checkpoint, which passes them on.)"
+        )
 
 
 class CheckpointFunction(torch.autograd.Function):
@@ -83,11 +123,12 @@ class CheckpointFunction(torch.autograd.Function):
         # the gradients asked for and must not write to ``.grad`` -- but our nested backward would.
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError(
-                "reentrant_checkpoint cannot be used with torch.autograd.grad() or with "
-                "backward(inputs=...): this reentrant variant recomputes the block and runs a nested "
-                ".backward() that accumulates into .grad of the leaves it reaches, which "
-                "torch.autograd.grad() and backward(inputs=...) must not touch. Use ckpt_lab.checkpoint "
-                "(the non-reentrant variant) instead, or call .backward() without `inputs`."
+                "When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad() or passing "
+                "an `inputs` parameter to .backward(). (reentrant_checkpoint is that variant: it "
+                "recomputes the block and runs a nested .backward() that accumulates into .grad of the "
+                "leaves it reaches, which torch.autograd.grad() and backward(inputs=...) must not touch. "
+                "Use ckpt_lab.checkpoint (the non-reentrant variant) instead, or call .backward() "
+                "without `inputs`.)"
             )
         # Fresh leaves cut from the saved inputs: the nested backward stops at them and leaves their
         # gradients in ``.grad``, where we pick them up. requires_grad is copied so inputs that did
@@ -111,9 +152,10 @@ class CheckpointFunction(torch.autograd.Function):
         ]
         if not pairs:
             raise RuntimeError(
-                "reentrant_checkpoint: none of the recomputed outputs requires grad, so there is "
-                "nothing to backpropagate through; this checkpoint is not needed (did the function "
-                "detach its result, or not use its inputs?)."
+                "none of output has requires_grad=True, this checkpoint() is not necessary "
+                "(reentrant_checkpoint: none of the recomputed outputs requires grad, so there is "
+                "nothing to backpropagate through; this checkpoint is not needed: did the function "
+                "detach its result, run under torch.no_grad(), or not use its inputs?)"
             )
         # The reentrant step: a whole backward pass run from inside this node's backward. It fills
         # ``.grad`` of our detached inputs and, as a side effect, of the parameters used inside.
@@ -123,5 +165,3 @@ class CheckpointFunction(torch.autograd.Function):
         # One gradient per forward argument: none for ``function`` and ``preserve_rng_state``.
         input_grads = tuple(inp.grad if isinstance(inp, torch.Tensor) else None for inp in inputs)
         return (None, None, *input_grads)
-
-

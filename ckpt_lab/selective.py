@@ -25,6 +25,13 @@ them would change what the re-run computes:
 
 A fourth kind, autocast's casts of weights, runs again *and* is left out of the check that the
 recomputation runs the forward's ops: see NOTE [ Autocast's weight casts ].
+
+Two cases where torch's SAC raises, ours by default recomputes (correct gradients, at the cost of
+the op's FLOPs once more): a cached output modified in place after it was cached ("has been
+mutated"), and a second backward through the same checkpoint (``retain_graph=True``, "Trying to
+backward an extra time"). ``strict=True`` gives torch's errors instead (notebook 05 compares them).
+``selective_checkpoint_contexts(policy)`` is the pair of contexts on its own, a ``context_fn`` for
+``ckpt_lab.checkpoint`` -- the counterpart of torch's ``create_selective_checkpoint_contexts``.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
 from ckpt_lab._aten import is_view, tensors_in
+from ckpt_lab.compiled import run_eagerly
 from ckpt_lab.nonreentrant import CheckpointError, check_use_reentrant, checkpoint
 
 __all__ = [
@@ -48,6 +56,7 @@ __all__ = [
     "SAVE",
     "Decision",
     "OpContext",
+    "OpListError",
     "Policy",
     "PolicyError",
     "is_autocast_weight_cast",
@@ -55,6 +64,7 @@ __all__ = [
     "must_rerun",
     "save_ops",
     "selective_checkpoint",
+    "selective_checkpoint_contexts",
 ]
 
 
@@ -83,6 +93,14 @@ class OpContext:
 Policy = Callable[..., Decision | CheckpointPolicy | bool]
 
 
+class OpListError(TypeError, ValueError):
+    """A policy given as a list holds something that is not one aten op overload.
+
+    Both a ``TypeError`` (what it is) and a ``ValueError`` (what torch's
+    ``create_selective_checkpoint_contexts`` raises for it), so code written for either catches it.
+    """
+
+
 class PolicyError(RuntimeError):
     """The policy's answer is not a decision, or the policy raised a ``TypeError``.
 
@@ -106,6 +124,7 @@ def selective_checkpoint(
     policy: Policy | Sequence[torch._ops.OpOverload],
     preserve_rng_state: bool = True,
     use_reentrant: bool = False,
+    strict: bool = False,
     **kwargs: Any,
 ) -> Any:
     """``ckpt_lab.checkpoint(function, *args, **kwargs)`` that keeps the outputs ``policy`` saves.
@@ -115,21 +134,45 @@ def selective_checkpoint(
     Backward re-runs the function, serving saved outputs instead of running their ops, each once:
     like torch's SAC, a served output is freed as soon as backward has used it. Unlike torch's SAC,
     backward may run more than once (``retain_graph=True``): later backwards recompute those ops.
+    A cached output that an in-place op modified after it was cached is dropped, and its op runs
+    again. ``strict=True`` is torch's behaviour instead: both cases raise (see the module docstring).
     ``use_reentrant`` is accepted as in torch's call (where SAC needs ``use_reentrant=False``), so
-    this drops in for it; any other value is refused, and is never passed on to ``function``.
+    this drops in for it; any other value is refused, and is never passed on to ``function``; nor
+    are ``policy`` and ``strict``.
     """
+    if torch.compiler.is_compiling():
+        # NOTE [ Checkpoints under torch.compile ] (ckpt_lab.compiled): a graph break, then eager.
+        return run_eagerly(
+            selective_checkpoint, function, *args, policy=policy, preserve_rng_state=preserve_rng_state,
+            use_reentrant=use_reentrant, strict=strict, **kwargs,
+        )  # fmt: skip
     check_use_reentrant(use_reentrant, "selective_checkpoint")
+    contexts = selective_checkpoint_contexts(policy, strict=strict)
+    return checkpoint(
+        function, *args, preserve_rng_state=preserve_rng_state, context_fn=lambda: contexts, **kwargs
+    )
+
+
+def selective_checkpoint_contexts(
+    policy: Policy | Sequence[torch._ops.OpOverload], *, strict: bool = False
+) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """The two contexts of a selective checkpoint: ``(forward, recomputation)``, one call's worth.
+
+    ``functools.partial(selective_checkpoint_contexts, policy)`` is a ``context_fn`` for
+    ``ckpt_lab.checkpoint`` (or torch's non-reentrant checkpoint): ``checkpoint(f, x,
+    context_fn=partial(selective_checkpoint_contexts, policy))`` is ``selective_checkpoint(f, x,
+    policy=policy)``. Our counterpart of torch's ``create_selective_checkpoint_contexts``: the
+    policy is the same; ``strict=True`` is torch's default behaviour (``allow_cache_entry_mutation=False``),
+    ``strict=False`` ours (see the module docstring).
+    """
     chosen = save_ops(policy) if isinstance(policy, (list, tuple)) else policy
     if not callable(chosen):
-        raise TypeError(f"selective_checkpoint: policy must be a function or a list of ops, got {policy!r}.")
-    cache = _Cache(chosen)
-    return checkpoint(
-        function,
-        *args,
-        preserve_rng_state=preserve_rng_state,
-        context_fn=lambda: (_SaveMode(cache), _ServeMode(cache)),
-        **kwargs,
-    )
+        raise TypeError(
+            "selective_checkpoint: policy_fn_or_list must be either a function or a list of ops. "
+            f"(The policy must be a function or a list of ops, got {policy!r}.)"
+        )
+    cache = _Cache(chosen, strict=strict)
+    return _SaveMode(cache), _ServeMode(cache)
 
 
 def save_ops(ops: Sequence[torch._ops.OpOverload]) -> Policy:
@@ -144,13 +187,20 @@ def save_ops(ops: Sequence[torch._ops.OpOverload]) -> Policy:
 
 def _checked_ops(ops: Sequence[Any]) -> list[torch._ops.OpOverload]:
     for op in ops:
+        expected = (
+            "selective_checkpoint: Expected op in `op_list` to be an OpOverload but got: "
+            f"{op} of type {type(op)}."
+        )
         if isinstance(op, torch._ops.OpOverloadPacket):
-            raise TypeError(
-                f"selective_checkpoint: {op} names a family of overloads; name one overload, e.g. "
-                f"torch.ops.{op._qualified_op_name.replace('::', '.')}.default."
+            raise OpListError(
+                f"{expected} Please update the OpOverloadPacket to a specific OpOverload. ({op} names a "
+                "family of overloads; name one overload, e.g. "
+                f"torch.ops.{op._qualified_op_name.replace('::', '.')}.default.)"
             )
         if not isinstance(op, torch._ops.OpOverload):
-            raise TypeError(f"selective_checkpoint: expected aten ops (OpOverload), got {op!r}.")
+            raise OpListError(
+                f"{expected} (The list must hold aten ops: expected aten ops (OpOverload), got {op!r}.)"
+            )
     return list(ops)
 
 
@@ -272,6 +322,10 @@ class _Cache:
     # [ Autocast's weight casts ]). The re-run is checked against them and served by them.
     replayed: list[int] = field(default_factory=list)
     entries: dict[int, _Entry] = field(default_factory=dict)
+    # torch's behaviour (``strict=True``): a modified entry or a second recomputation raises.
+    strict: bool = False
+    # Positions served already (strict mode only needs them: a second recomputation meets one again).
+    served: set[int] = field(default_factory=set)
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -316,8 +370,10 @@ class _SaveMode(TorchDispatchMode):
 
     def __exit__(self, *args: Any) -> Any:
         # An output that a later op modified in place (``empty_like`` filled by ``bernoulli_``) can't
-        # be served; drop it now rather than keep its memory until backward.
-        self.cache.entries = {i: e for i, e in self.cache.entries.items() if not e.modified}
+        # be served; drop it now rather than keep its memory until backward. (Strict mode keeps it,
+        # to raise when backward wants it, as torch does.)
+        if not self.cache.strict:
+            self.cache.entries = {i: e for i, e in self.cache.entries.items() if not e.modified}
         return super().__exit__(*args)
 
 
@@ -359,6 +415,8 @@ class _ServeMode(TorchDispatchMode):
         # frees any recomputed tensor. A second backward (retain_graph=True) finds no entry and runs
         # the op again, which is always correct -- it just costs that op's FLOPs once more.
         entry = self.cache.entries.pop(index, None)
+        if self.cache.strict:
+            _check_strict(self.cache, index, entry)
         # Not saved (or served already), or modified in place since (no longer the op's output).
         if entry is None or entry.modified:
             return func(*args, **kwargs)
@@ -367,3 +425,21 @@ class _ServeMode(TorchDispatchMode):
         return tree_unflatten(leaves, entry.spec)
 
 
+def _check_strict(cache: _Cache, index: int, entry: _Entry | None) -> None:
+    """``strict=True``: torch's errors where ours would run the op again."""
+    if entry is None and index in cache.served:
+        raise RuntimeError(
+            "Trying to backward an extra time. You are only allowed to backward once on any region "
+            "computed under selective activation checkpoint. (selective_checkpoint, strict=True: this "
+            f"backward re-runs the function again and wants op {index} ({cache.ops[index]}), whose "
+            "cached output the first backward used and freed. Without strict=True it runs the op again.)"
+        )
+    if entry is not None:
+        cache.served.add(index)
+        if entry.modified:
+            raise RuntimeError(
+                "Tensor cached during selective activation checkpoint has been mutated "
+                f"(selective_checkpoint, strict=True: the output of op {index} ({cache.ops[index]}) was "
+                "saved, then modified in place by a later op of the forward, so it is no longer that "
+                "op's output. Without strict=True the forward drops it and backward runs the op again.)"
+            )

@@ -36,6 +36,15 @@ def checkpoint_sequential(
     """
     # Iterating an nn.Sequential yields its modules in order, a module used twice included
     # (torch uses ``.children()``, which lists such a module once).
+    if not isinstance(use_reentrant, bool):
+        # checkpoint_sequential(model, segments, a, b): the second input lands here, as in torch.
+        raise TypeError(
+            "checkpoint_sequential: use_reentrant must be True or False, got "
+            f"{type(use_reentrant).__name__}. "
+            "checkpoint_sequential takes one input, like nn.Sequential: (functions, segments, input, "
+            "use_reentrant=False, preserve_rng_state=True). A second positional input lands in "
+            "use_reentrant; pass the blocks one input (a tuple, if they take several) instead."
+        )
     functions = list(functions)
     if not isinstance(segments, int) or not 1 <= segments <= len(functions):
         raise ValueError(
@@ -63,5 +72,3 @@ def _run_segment(functions: Sequence[Callable[[Any], Any]], start: int, end: int
         return x
 
     return forward
-
-

@@ -470,7 +470,9 @@ def test_fewer_saved_tensors_raises(name: str) -> None:
 
     loss = NON_REENTRANT[name](fn, torch.randn(3, requires_grad=True)).sum()
     error = CheckpointError if name == "ours" else TorchCheckpointError
-    match = "saved 2 tensors.*only 1" if name == "ours" else "different number of tensors"
+    match = "different number of tensors"
+    if name == "ours":  # torch's sentence first, then the counts, then what to do
+        match += r"(.|\n)*forward: 2\nNumber of tensors saved during recomputation: 1\.\n(.|\n)*don't branch"
     with pytest.raises(error, match=match):
         loss.backward()
 

@@ -237,11 +237,12 @@ show_source(_unpack_from_handle, start="def unpack", stop="if task not in handle
 
 # %% [markdown]
 # `_recompute` re-runs the function (RNG and autocast replayed, grad on) under a second pack hook
-# that checks each tensor against the forward's metadata, fills its handle, and stops at the last
-# live one:
+# that fills each live handle, notes a tensor whose shape, dtype or device is not the forward's (it
+# raises when the re-run ends, as torch does), and stops at the last live one (`early_stop=False`
+# runs the whole function instead):
 
 # %%
-show_source(_recompute, start="if recomputed != saved:", stop="# The recomputed graph keeps")
+show_source(_recompute, start="if handles[index] is not None:", stop="# The recomputed graph keeps")
 
 # %% [markdown]
 # **What runs when**: a four-`sin` chain logs each `sin`, and a tensor hook on each output logs when
@@ -446,6 +447,8 @@ print("reentrant: no error; gradient equal to cos(x):", torch.allclose(x.grad, x
       "| zeros in the gradient:", int((x.grad == 0).sum()))
 
 # %% [markdown]
+# The error opens with torch's sentence for the same failure, so a search for either finds both;
+# `debug=True` adds the ops of the forward and of the re-run side by side, each with its line of code.
 # The third element, unused by the re-run, got gradient 0 instead of cos(x₂).
 #
 # ## 5. Why PyTorch moved checkpointing away from `autograd.Function`

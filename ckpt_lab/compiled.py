@@ -1,0 +1,449 @@
+"""Checkpointing in the compiler: what torch.compile saves, its memory budget, and our checkpoints under it.
+
+Introduced in notebook 08. The entry point measures one compiled training step:
+
+    step = compile_step(fn, x, budget=0.5)    # torch._functorch.config.activation_memory_budget
+    step.saved_bytes, step.saved               # what the compiled forward keeps for backward
+    step.recomputed, step.recompute_flops      # forward ops the backward graph runs again
+    print(step.describe())                     # both partitioned graphs, one line per op
+
+``compiled_points(workload, budgets)`` does it for a benchmark stack at several budgets, as
+``ckpt_lab.bench.pareto.Point``s (``python -m ckpt_lab.bench.pareto --compile``).
+
+NOTE [ Which backend ]
+Every number here comes from ``BACKEND``: AOTAutograd with inductor's decompositions and inductor's
+min-cut partitioner, and no code generation (the graphs run op by op in eager). It decides what to
+save exactly as ``torch.compile``'s default ``inductor`` backend does, without the C++ build (under a
+second per compilation instead of 15 s on 2 cores); inductor would add fused kernels (times), not
+different saved tensors. The partitioned graphs are recorded as they are handed to the (no-op)
+compilers.
+
+NOTE [ Measuring what a compiled function saves ]
+AOTAutograd runs the whole compiled forward as one ``autograd.Function`` (``CompiledFunction``),
+whose ``save_for_backward`` goes through the saved-tensor hooks active at call time: a hook around
+the compiled call sees exactly what the partitioner chose to keep. Bytes are per storage (two views
+of one buffer count once), parameters left out (every strategy keeps them). The backward graph's
+ops that the joint graph tagged as forward ops are the recomputation; their cost is
+``instruments.flops.op_cost`` on the decomposed ops (exact for matmuls; one per element for each
+pointwise op, so a decomposed GELU costs several).
+
+NOTE [ Memory inside the compiled graphs ]
+Our dispatch-mode instruments cannot wrap a compiled call: with a ``TorchDispatchMode`` active,
+Dynamo runs the function eagerly (the numbers would be eager's). So the recording backend enters
+them *inside* the compiled forward and backward (``_INSIDE``): ``LiveMemory`` then sees every
+storage the graphs create and when it is freed, and ``peak_bytes`` / ``retained_bytes`` are exact
+for the compiled schedule, in the benchmark's terms (created in the step; gradients left out of the
+peak; the loss, computed outside the graphs, left out of both). Matmul FLOPs and aten ops are
+counted from the two graphs (the same totals ``CostCounter`` and ``OpCounter`` count at run time).
+
+NOTE [ Random ops under a memory budget ]
+With dropout, any ``activation_memory_budget`` below 1 can make the partitioner recompute the random
+draw in the backward graph, where it draws *fresh* numbers: the backward applies another mask than
+the forward and the gradients are silently wrong (the PyTorch issue "Memory-budget partitioner
+recomputes RNG ops with fresh randomness in backward", open in torch 2.13; inductor too, on CPU).
+``compile_step`` therefore checks every compiled step's gradients against the same compiled step at
+budget 1 and reports ``grads_ok``; the budget's bytes and FLOPs are real either way.
+
+NOTE [ Checkpoints under torch.compile ]
+torch's own checkpoints are understood by Dynamo: ``torch.utils.checkpoint`` (both variants, and
+selective checkpointing with a ``context_fn`` defined at module level) becomes a higher-order op
+that the partitioner obeys. Ours are Python: saved-tensor hooks, dispatch modes, a frame that
+recomputes in backward. Traced by Dynamo, the non-reentrant checkpoint crashed in backward with a
+bare ``StopIteration`` (the recomputation ran on traced tensors it could not match), and CPU offload
+crashed inside Dynamo's fake-tensor tracing of its pack hook. So each of our entry points (``checkpoint``,
+``reentrant_checkpoint``, ``selective_checkpoint``, ``offload_to_cpu``'s hooks) starts with
+``if torch.compiler.is_compiling(): return run_eagerly(...)``: Dynamo meets a function it is told not
+to trace, breaks the graph there, and runs the checkpoint eagerly, with its eager memory and
+gradients. ``gradient_checkpoint_scope`` needs nothing: Dynamo cannot trace its thread-local set-up
+and falls back to eager for the whole compiled function. The cost is the graph break: the compiler
+optimises only around our checkpoints, never through them; to let it see the block, use torch's
+checkpoint (``Plan.torch_context_fn`` hands the planner's plan to it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import import_module
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BACKEND",
+    "CompiledStep",
+    "compile_step",
+    "compiled_points",
+    "compiled_results",
+    "graph_breaks",
+    "run_eagerly",
+]
+
+
+@torch.compiler.disable(reason="ckpt_lab's checkpoints run eagerly under torch.compile (ckpt_lab.compiled)")
+def run_eagerly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)``, never traced by Dynamo: a graph break, then eager execution.
+
+    See NOTE [ Checkpoints under torch.compile ]. Inside, ``torch.compiler.is_compiling()`` is False,
+    so the entry point that called this runs its eager path.
+    """
+    return function(*args, **kwargs)
+
+
+# What this module compiles with, by name (see NOTE [ Which backend ]).
+BACKEND = "aot_eager_decomp_partition (recorded)"
+SEED = 1
+
+
+@dataclass
+class CompiledStep:
+    """One compiled forward + backward at one memory budget (see the module's NOTEs)."""
+
+    budget: float
+    saved: list[tuple[tuple[int, ...], str, int]]  # (shape, dtype, storage bytes) per saved storage
+    recomputed: list[str]  # forward ops the backward graph runs again, in order
+    recompute_flops: int
+    forward_graph: torch.fx.GraphModule
+    backward_graph: torch.fx.GraphModule
+    grads: list[torch.Tensor] = field(repr=False)
+    grads_ok: bool | None = None
+    storages: set[int] = field(default_factory=set, repr=False)  # data pointers of the saved storages
+    # Measured inside the compiled graphs (NOTE [ Memory inside the compiled graphs ]).
+    retained_bytes: int = 0  # alive when the forward ends: what it keeps, plus its output
+    peak_bytes: int = 0  # most alive at once over forward and backward, gradients excluded
+    flops: int = 0  # matmul FLOPs of both graphs, as the benchmark counts them
+    aten_ops: int = 0  # aten ops in both graphs (a higher-order op's insides not counted)
+    # False where a graph held higher-order ops and ran unmeasured: the four numbers above are then 0.
+    measured: bool = True
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self.saved)
+
+    def describe(self) -> str:
+        """Both partitioned graphs, one short line per op (see ``compact``)."""
+        return "forward:\n" + compact(self.forward_graph) + "\nbackward:\n" + compact(self.backward_graph)
+
+
+# Dispatch modes the compiled graphs run under (NOTE [ Memory inside the compiled graphs ]).
+_INSIDE: list[Any] = []
+
+
+def _graph_memory() -> Any:
+    """``LiveMemory`` that lets higher-order ops through (torch's checkpoint puts
+    ``run_and_save_rng_state`` in the graph): their outputs are counted, their insides are not."""
+    from ckpt_lab.instruments.memory import LiveMemory
+
+    class GraphMemory(LiveMemory):
+        supports_higher_order_operators = True
+
+    return GraphMemory()
+
+
+_UNMEASURED: list[str] = []  # graphs that ran without them (``_has_higher_order_ops``)
+
+
+def _has_higher_order_ops(gm: torch.fx.GraphModule) -> bool:
+    # torch's checkpoint with dropout leaves run_and_save_rng_state / run_with_rng_state in the graphs:
+    # higher-order ops our dispatch modes do not handle, so such graphs run unmeasured.
+    return any(isinstance(n.target, torch._ops.HigherOrderOperator) for n in gm.graph.nodes)
+
+
+def _run_inside(kind: str, compiled_fn: Callable[..., Any], measurable: bool = True) -> Callable[..., Any]:
+    def run(args: Any) -> Any:
+        if not measurable:
+            _UNMEASURED.append(kind)
+            return compiled_fn(args)
+        from ckpt_lab.instruments.memory import LiveMemory
+
+        with contextlib.ExitStack() as stack:
+            for mode in _INSIDE:
+                if isinstance(mode, LiveMemory):
+                    mode.phase = kind
+                stack.enter_context(mode)
+            out = compiled_fn(args)
+        for mode in _INSIDE:
+            if isinstance(mode, LiveMemory):
+                mode.closed = False  # keep recording frees between the graphs
+        return out
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _recording_backend(graphs: dict[str, torch.fx.GraphModule]) -> Callable[..., Any]:
+    """``aot_eager_decomp_partition``, with its forward and backward graphs kept in ``graphs``."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    def recorder(kind: str) -> Callable[..., Any]:
+        def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            graphs[kind] = gm
+            return _run_inside(kind, boxed_nop(gm, example_inputs), not _has_higher_order_ops(gm))
+
+        return compiler
+
+    return aot_autograd(
+        fw_compiler=recorder("forward"),
+        bw_compiler=recorder("backward"),
+        # The decompositions and partitioner torch.compile's inductor backend uses.
+        decompositions=lambda: import_module("torch._inductor.compile_fx").select_decomp_table(),
+        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+    )
+
+
+def _is_recomputed(node: torch.fx.Node) -> bool:
+    # The joint graph tags each node forward or backward; a forward node in the backward graph is
+    # an op the partitioner chose to run again rather than save its output.
+    return node.op == "call_function" and node.meta.get("partitioner_tag") != "is_backward"
+
+
+def _node_cost(node: torch.fx.Node, cost: Callable[..., int] | None = None) -> int:
+    from ckpt_lab.instruments.flops import op_cost
+
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return 0
+    meta = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+    args = torch.fx.node.map_aggregate(node.args, meta)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, meta)
+    try:
+        return (cost or op_cost)(node.target, args, kwargs, node.meta.get("val"))
+    except Exception:  # an op the cost model cannot size from metadata alone: count its elements
+        val = node.meta.get("val")
+        return val.numel() if isinstance(val, torch.Tensor) else 0
+
+
+def compile_step(
+    fn: Callable[..., torch.Tensor],
+    *inputs: torch.Tensor,
+    budget: float = 1.0,
+    params: Sequence[torch.Tensor] = (),
+    check: bool = True,
+) -> CompiledStep:
+    """Compile ``fn`` at ``activation_memory_budget=budget``, run one seeded forward and backward
+    (loss = mean of the output squared) and report what it saved and recomputed.
+
+    ``params``: tensors whose gradients are compared (besides the inputs); with ``check`` the step is
+    run again at budget 1 and ``grads_ok`` says whether the gradients agree (NOTE [ Random ops ... ]).
+    """
+    graphs: dict[str, torch.fx.GraphModule] = {}
+    leaves = [*inputs, *params]
+    saved: dict[int, tuple[tuple[int, ...], str, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            saved.setdefault(
+                storage.data_ptr(), (tuple(t.shape), str(t.dtype).removeprefix("torch."), storage.nbytes())
+            )
+        return t
+
+    from ckpt_lab.instruments.flops import matmul_flops
+
+    torch._dynamo.reset()
+    mem = _graph_memory()
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        compiled = torch.compile(fn, backend=_recording_backend(graphs))
+        for t in leaves:
+            t.grad = None
+        torch.manual_seed(SEED)
+        _INSIDE[:] = [mem]
+        _UNMEASURED.clear()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = compiled(*inputs)
+            retained = mem.snapshot("after forward")
+            out.square().mean().backward()
+            del out
+            mem.snapshot("after backward")
+        finally:
+            _INSIDE.clear()
+            mem.closed = True
+    torch._dynamo.reset()
+    grads = [t.grad.detach().clone() for t in leaves]
+    backward = graphs["backward"]
+    recomputed = [n for n in backward.graph.nodes if _is_recomputed(n)]
+    ops = [
+        n
+        for gm in (graphs["forward"], backward)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+    ]
+    step = CompiledStep(
+        budget,
+        list(saved.values()),
+        [_short(n.target) for n in recomputed],
+        sum(_node_cost(n) for n in recomputed),
+        graphs["forward"],
+        backward,
+        grads,
+        storages=set(saved),
+        retained_bytes=retained,
+        peak_bytes=mem.peak(exclude=mem.born_in("backward")),
+        flops=sum(_node_cost(n, matmul_flops) for n in ops),
+        aten_ops=len(ops),
+    )
+    if _UNMEASURED:
+        step.measured = False
+        step.retained_bytes = step.peak_bytes = step.flops = step.aten_ops = 0
+    if check:
+        reference = (
+            step if budget == 1.0 else compile_step(fn, *inputs, budget=1.0, params=params, check=False)
+        )
+        step.grads_ok = all(
+            torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+            for a, b in zip(step.grads, reference.grads, strict=True)
+        )
+    return step
+
+
+def _short(target: Any) -> str:
+    """``aten.addmm.default`` -> ``addmm``."""
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+def compact(gm: torch.fx.GraphModule, width: int = 96) -> str:
+    """A graph in a few lines: its inputs, its ops in order (``addmm erf mul ...``), its outputs."""
+    nodes = list(gm.graph.nodes)
+    inputs = [n.name for n in nodes if n.op == "placeholder"]
+    ops = [_short(n.target) for n in nodes if n.op == "call_function"]
+    outputs = (
+        [a.name for a in nodes[-1].args[0] if isinstance(a, torch.fx.Node)]
+        if nodes[-1].op == "output"
+        else []
+    )
+    lines = []
+    for label, words in (("in ", inputs), ("ops", ops), ("out", outputs)):
+        line = f"  {label} ({len(words)}):"
+        for w in words:
+            if len(line) + len(w) + 1 > width:
+                lines.append(line)
+                line = "        "
+            line += " " + w
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def graph_breaks(fn: Callable[..., Any], *inputs: Any) -> tuple[int, int]:
+    """(graphs, graph breaks) that Dynamo makes of ``fn(*inputs)``, from ``torch._dynamo.explain``."""
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*inputs)
+    torch._dynamo.reset()
+    return explained.graph_count, explained.graph_break_count
+
+
+def compiled_points(workload: Any, budgets: Sequence[float] = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)) -> list[Any]:
+    """The compiler's budget sweep on a benchmark stack, as Pareto points in the planner's terms.
+
+    Retained bytes count the first block's input (as ``bench.pareto`` does) whether or not the
+    compiled forward saved it; recompute FLOPs are the backward graph's recomputed ops.
+    """
+    from ckpt_lab.bench.pareto import Point
+
+    blocks = workload.blocks
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for b in blocks:
+            x = b(x)
+        return x
+
+    x = workload.input
+    x_bytes = x.untyped_storage().nbytes()
+    reference = compile_step(run, x, budget=1.0, params=workload.parameters(), check=False)
+    points = []
+    for budget in budgets:
+        step = (
+            reference
+            if budget == 1.0
+            else compile_step(run, x, budget=budget, params=workload.parameters(), check=False)
+        )
+        ok = all(
+            torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+            for a, b in zip(step.grads, reference.grads, strict=True)
+        )
+        retained = step.saved_bytes + (0 if x.untyped_storage().data_ptr() in step.storages else x_bytes)
+        note = f"{len(step.saved)} saved, {len(step.recomputed)} ops recomputed"
+        if not ok:
+            note += "; gradients differ from budget 1 (random ops recomputed: see ckpt_lab.compiled)"
+        points.append(Point(f"compiled {budget:g}", retained, step.recompute_flops, note=note, grads_ok=ok))
+    return points
+
+
+def compiled_results(workload: Any, budgets: Sequence[float] = (1.0, 0.5, 0.0), rounds: int = 3) -> list[Any]:
+    """``python -m ckpt_lab.bench --compile``: the compiler's budgets as rows of the benchmark's table.
+
+    Memory, matmul FLOPs and aten ops are measured inside the compiled graphs (NOTE [ Memory inside
+    the compiled graphs ]); ``grad_ok`` compares with the compiled step at budget 1 (compiled dropout
+    draws other masks than eager's, so eager's gradients are no reference); time is the median over
+    ``rounds`` of the compiled step's time divided by eager no-checkpointing's in the same round.
+    """
+    import statistics
+    import time
+
+    from ckpt_lab.bench.measure import Result
+
+    wl = workload
+    params = wl.parameters()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for b in wl.blocks:
+            x = b(x)
+        return x
+
+    def timed(f: Callable[..., torch.Tensor]) -> float:
+        for t in [wl.input, *params]:
+            t.grad = None
+        if wl.input.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.manual_seed(SEED)
+        f(wl.input).square().mean().backward()
+        if wl.input.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    x_ptr, x_bytes = wl.input.untyped_storage().data_ptr(), wl.input.untyped_storage().nbytes()
+    reference = compile_step(run, wl.input, budget=1.0, params=params, check=False)
+    results = []
+    for budget in budgets:
+        step = (
+            reference
+            if budget == 1.0
+            else compile_step(run, wl.input, budget=budget, params=params, check=False)
+        )
+        torch._dynamo.reset()
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            fast = torch.compile(run, backend=_recording_backend({}))
+            timed(fast)  # compiles
+            timed(run)
+            seconds, ratios = [], []
+            for _ in range(rounds):
+                eager, compiled_ = timed(run), timed(fast)
+                seconds.append(compiled_)
+                ratios.append(compiled_ / eager)
+        torch._dynamo.reset()
+        results.append(
+            Result(
+                wl.name,
+                wl.family,
+                wl.depth,
+                f"compiled-budget-{budget:g}",
+                None,
+                retained_bytes=step.retained_bytes,
+                peak_bytes=step.peak_bytes,
+                flops=step.flops,
+                aten_ops=step.aten_ops,
+                grad_ok=all(
+                    torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+                    for a, b in zip(step.grads, reference.grads, strict=True)
+                ),
+                seconds=statistics.median(seconds),
+                time_vs_none=statistics.median(ratios),
+                activation_bytes=step.saved_bytes + (0 if x_ptr in step.storages else x_bytes),
+            )
+        )
+    return results
