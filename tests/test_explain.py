@@ -206,6 +206,16 @@ def test_a_loss_that_keeps_the_output_is_counted_apart() -> None:
     assert "+ 48 B loss + 48 B output (kept for backward)" in report.summary()
 
 
+def test_a_loss_returned_inside_the_output_is_counted_once() -> None:
+    # Hugging Face models return their loss in their output (``labels=``): it is the loss, not also
+    # an output kept for backward.
+    torch.manual_seed(0)
+    toy, x = Toy(), torch.randn(3, 8)
+    report = explain(lambda x: {"loss": toy(x).sum()}, x, loss_fn=lambda out: out["loss"])
+    assert (report.loss_bytes, report.output_bytes) == (4, 0)
+    assert report.retained_bytes == report.saved_bytes + 4
+
+
 # --------------------------------------------------------------------------------------- regions
 def _blocks(n: int = 3) -> nn.ModuleList:
     torch.manual_seed(0)

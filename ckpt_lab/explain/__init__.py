@@ -293,6 +293,8 @@ class Report:
                 label = kind if i == 0 else None
                 ax.axvspan(span.start, span.stop, color=colour, alpha=0.2, lw=0, label=label)
         ax.plot([t.peak_index], [t.peak_bytes / 2**20], "v", color="C3", label=f"peak {_size(t.peak_bytes)}")
+        # Head-room above the curve for the box below (kept if shared axes already have more).
+        ax.set_ylim(0, max(ax.get_ylim()[1], 1.8 * t.peak_bytes / 2**20))
         alive = "\n".join(f"{_size(size):>10}  {what}" for what, size in t.at_peak[:6])
         ax.text(0.01, 0.98, "alive at the peak:\n" + alive, transform=ax.transAxes, va="top", fontsize=7,
                 family="monospace", bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
@@ -787,7 +789,9 @@ def _build_report(
     kwargs: dict,
 ) -> Report:
     memory, births = recorder.memory, recorder.births
-    output_kept = output_serials & alive
+    # A model that returns its own loss (Hugging Face's ``labels=``) has the loss in its output:
+    # counted once, as the loss.
+    output_kept = (output_serials - loss_serials) & alive
     # Empty storages (torch's and ours' placeholders) cost nothing and explain nothing.
     rows = [_row(s, births.get(s), memory.nbytes(s)) for s in sorted(alive - loss_serials - output_kept)
             if memory.nbytes(s)]

@@ -1,7 +1,8 @@
 """``python -m ckpt_lab.explain MODULE:FACTORY [--plot out.png] [--table]``
 
-Imports ``MODULE``, calls ``FACTORY()`` for ``(model, inputs)`` or ``(model, inputs, loss_fn)``
-(``inputs``: a tensor or a tuple of arguments), explains one training step of the model, prints the
+Imports ``MODULE``, calls ``FACTORY()`` for ``(model, inputs)``, ``(model, inputs, loss_fn)`` or
+``(model, inputs, loss_fn, kwargs)`` (``inputs``: a tensor or a tuple of arguments; ``kwargs``:
+keyword arguments, e.g. ``{"labels": ids}``), explains one training step of the model, prints the
 summary and writes the plot (by default to ``results/explain-FACTORY.png``; ``results/`` is ignored
 by git). Try ``ckpt_lab.explain.examples:transformer_per_layer``.
 """
@@ -27,9 +28,10 @@ def main(argv: list[str] | None = None) -> None:
     if not factory_name:
         parser.error("give the factory as MODULE:FACTORY")
     made = getattr(importlib.import_module(module_name), factory_name)()
-    model, inputs, loss_fn = made if len(made) == 3 else (*made, None)
+    model, inputs, *rest = made
+    loss_fn, kwargs = (rest[0] if rest else None), (rest[1] if len(rest) > 1 else {})
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    report = explain(model, *inputs, loss_fn=loss_fn)
+    report = explain(model, *inputs, loss_fn=loss_fn, **kwargs)
     print(report.summary())
     if args.table:
         print(report.table())

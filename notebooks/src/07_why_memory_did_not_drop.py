@@ -1,0 +1,449 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 07 · Why didn't my memory drop? A failure zoo
+#
+# **TL;DR.** A checkpoint frees only what is made inside it *and* referenced by nothing else, and
+# helps the peak only if backward does not re-run it while everything else is still alive. Eight
+# ways to miss that, each a small CPU case below, with `ckpt_lab.explain`'s output naming the
+# cause and the fix measured:
+#
+# | # | symptom | cause | fix |
+# |---|---|---|---|
+# | [1](#c1) | peak unchanged | the whole function, or only its last stage, is checkpointed | one checkpoint per block, the last block plain |
+# | [2](#c2) | kept bytes unchanged | the caller keeps what the checkpoint should free: its input, logged activations | checkpoint more than one op; log floats, not tensors |
+# | [3](#c3) | nothing to drop, or no gradient | under `torch.no_grad()`; a reentrant checkpoint whose inputs need no grad | nothing to do in eval; use the non-reentrant checkpoint |
+# | [4](#c4) | (memory fine) BatchNorm counts 2 batches per step | the recomputation updates the running statistics again | `skip_stats_update_in_recompute(model)` |
+# | [5](#c5) | an error, or gradients off by rounding | autocast's weight-cast cache differs between forward and recomputation | ours handles it; with torch's SAC, don't save `_to_copy` |
+# | [6](#c6) | kept bytes differ from block to block | a selective policy with a counter shared by all calls | a fresh counter per checkpointed call |
+# | [7](#c7) | DDP: "marked ready twice" | the reentrant checkpoint | the non-reentrant one, or `static_graph=True` (notebook 06) |
+# | [8](#c8) | `CheckpointError`, or silently wrong gradients | the recomputation takes another branch (Python's `random`) | draw the choice outside the checkpoint, pass it in |
+#
+# Every case's broken and fixed model lives in one module, `ckpt_lab.explain.zoo`, which the tests
+# (`tests/test_zoo.py`) use too; `python -m ckpt_lab.explain ckpt_lab.explain.zoo:last_stage` explains
+# any of its factories from a shell. [Notebook 07b](07b_explain_real_model.ipynb) runs `explain` on a
+# real Hugging Face model.
+#
+# Terms. **Kept** (after forward): the bytes alive when the forward has returned, i.e. what it keeps
+# for backward. **Peak**: the most bytes alive at any moment of forward and backward (gradients of
+# parameters excluded). Both are exact storage sizes, the same on every machine. `explain` (the
+# function `ckpt_lab.explain`) runs one step and says which storages were kept, who made them, and
+# gives each checkpoint a one-line *verdict*.
+
+# %%
+import random
+import warnings
+
+import matplotlib.pyplot as plt
+import torch
+
+from ckpt_lab import checkpoint, explain, measure_memory
+from ckpt_lab.explain import zoo
+from ckpt_lab.helpers.show import show_source
+from ckpt_lab.helpers.viz import save_figure
+from ckpt_lab.rng import ReplayState
+
+print("torch", torch.__version__)
+
+
+def step(factory, *args):
+    """explain one training step of a zoo factory's model."""
+    model, x, loss_fn = factory(*args)
+    return explain(model, x, loss_fn=loss_fn)
+
+
+def verdicts(report):
+    """The summary's last lines: one verdict per checkpoint."""
+    lines = report.summary().splitlines()
+    return "\n".join(lines[lines.index("regions:") + 1 :])
+
+
+def max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+# %% [markdown]
+# <a id="c1"></a>
+# ## 1. The whole function, or only its last stage
+#
+# Four blocks (Linear 64→256, GELU, Linear 256→64; a batch of 32), an MSE loss. The checkpoint
+# (`ckpt_lab.checkpoint`) goes around all four blocks, around the last one only, or around each
+# block but the last:
+
+# %%
+placements = {
+    "no checkpoint": zoo.no_checkpoint,
+    "whole function": zoo.whole_function,
+    "last block only": zoo.last_stage,
+    "each block but the last": zoo.each_block_but_last,
+}
+reports = {name: step(factory) for name, factory in placements.items()}
+for name, r in reports.items():
+    print(f"{name:24} kept after forward {r.retained_bytes:>8,} B   peak {r.peak_bytes:>8,} B")
+plain, whole, last, fixed = reports.values()
+assert whole.retained_bytes < last.retained_bytes < plain.retained_bytes
+assert whole.peak_bytes == last.peak_bytes == plain.peak_bytes
+
+# %% [markdown]
+# Kept bytes fall, the peak does not move. `explain`'s verdicts say why:
+
+# %%
+print("whole:", verdicts(whole))
+print("last: ", verdicts(last))
+
+# %% [markdown]
+# Backward starts at the loss, so the checkpoint that made the output is re-run **first**. Around
+# the whole function, that re-run rebuilds every activation at once: the peak of the plain step
+# again. Around the last block only, the re-run happens while the other three blocks' activations
+# are still alive, and the last block's own output is kept by the loss anyway ("saves nothing").
+# The fix: one checkpoint per block, the last block left plain:
+
+# %%
+print("each block but the last:", verdicts(fixed), sep="\n")
+print(f"peak {fixed.peak_bytes:,} B = {fixed.peak_bytes / plain.peak_bytes:.2f} × the plain step's")
+assert fixed.peak_bytes < 0.45 * plain.peak_bytes
+
+# %% [markdown]
+# The same three steps over time, from `report.plot()` (live bytes after each storage born or freed;
+# orange: backward re-running a checkpoint):
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(15, 4.6), sharey=True)
+for ax, name in zip(axes, ["no checkpoint", "whole function", "each block but the last"], strict=True):
+    reports[name].plot(ax)
+    ax.set_title(f"{name}: peak {reports[name].peak_bytes / 1024:.0f} KiB")
+# Head room for the "alive at the peak" box that plot() writes in the top left corner.
+axes[0].set_ylim(0, 1.9 * plain.peak_bytes / 2**20)
+fig.tight_layout()
+save_figure(fig, "07_where_the_checkpoint_goes")
+plt.show()
+
+# %% [markdown]
+# Left and middle reach the same height: the whole-function checkpoint only moves the activations'
+# lifetime into backward. Right: each re-run rebuilds one block, after the blocks above it have
+# been freed.
+
+# %% [markdown]
+# <a id="c2"></a>
+# ## 2. The caller keeps what the checkpoint should free
+#
+# A checkpoint keeps its inputs and frees what is made inside it, *if nothing else holds it*. Two
+# ways the caller holds it. First, a checkpoint around one op whose only saved tensor is its input
+# (GELU saves its input; the checkpoint keeps that same input):
+
+# %%
+one_op = step(zoo.around_one_op)
+print(f"kept after forward: {one_op.retained_bytes:,} B with a checkpoint per GELU, "
+      f"{plain.retained_bytes:,} B without")
+print(verdicts(one_op))
+assert one_op.retained_bytes == plain.retained_bytes
+
+# %% [markdown]
+# Second, a forward hook that keeps each GELU output for logging, with every block but the last
+# checkpointed as in the fix of §1:
+
+# %%
+show_source(zoo.Chain._log_tensor, start="self.logged")
+
+# %%
+model, x, loss_fn = zoo.logged_tensors()
+logged = explain(model, x, loss_fn=loss_fn)
+print(f"kept after forward: {logged.retained_bytes:,} B (without the hook {fixed.retained_bytes:,} B); "
+      f"{len(model.logged)} tensors logged")
+print(verdicts(logged))
+assert logged.retained_bytes > fixed.retained_bytes and len(model.logged) == 7
+
+# %% [markdown]
+# "Keeps 32.0 KiB of its own besides its outputs: tensors referenced from outside it": the logged
+# GELU outputs. And 7 entries for 4 GELUs: the recomputation runs the hook again. The fix logs a
+# number, and only in the forward (`ckpt_lab.batchnorm.in_backward` tells a recomputation apart):
+
+# %%
+show_source(zoo.Chain._log_number, start="if not")
+
+# %%
+model, x, loss_fn = zoo.logged_numbers()
+numbers = explain(model, x, loss_fn=loss_fn)
+print(f"kept after forward: {numbers.retained_bytes:,} B; logged: {len(model.logged)} floats")
+assert numbers.retained_bytes == fixed.retained_bytes and len(model.logged) == 4
+
+# %% [markdown]
+# <a id="c3"></a>
+# ## 3. No gradient to track
+#
+# Under `torch.no_grad()` (evaluation) no graph is built, so a plain forward keeps nothing already:
+# the checkpoint has nothing to drop. What each variant does there:
+
+# %%
+layer, x = zoo.block(), torch.randn(zoo.BATCH, zoo.WIDTH)
+with torch.no_grad(), warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # counted by zoo.under_no_grad below
+    kept = {"plain": measure_memory(lambda: layer(x).sum(), backward=False).retained_bytes}
+    for name, run in zoo.CHECKPOINTS.items():
+        kept[name] = measure_memory(lambda run=run: run(layer, x).sum(), backward=False).retained_bytes
+for name in zoo.CHECKPOINTS:
+    print(f"{name:30} kept {kept[name]} B (plain: {kept['plain']} B)", zoo.under_no_grad(name))
+assert len(set(kept.values())) == 1
+assert all(zoo.under_no_grad(name)["forward runs"] == 1 for name in zoo.CHECKPOINTS)
+
+# %% [markdown]
+# All four just run the function once; torch's reentrant one also warns that no input requires
+# grad. Dropping the checkpoint in eval changes nothing.
+#
+# The trap is in training: the first block's input is the data, which needs no grad, but its
+# parameters do. A *reentrant* checkpoint joins the graph only through inputs that require grad:
+
+# %%
+for name in zoo.CHECKPOINTS:
+    print(f"{name:30}", zoo.params_without_grad(name))
+no_grad = {name: zoo.params_without_grad(name) for name in zoo.CHECKPOINTS}
+assert [r["first block's parameters without gradient"] for r in no_grad.values()] == [0, 4, 0, 4]
+
+# %% [markdown]
+# Both reentrant variants warn, and the first block's 4 parameter tensors get no gradient. The
+# bytes kept are the same in all four; `explain`'s verdicts show the difference: the reentrant
+# checkpoint is never re-run in backward (no "re-running it allocates"), because backward never
+# reaches it:
+
+# %%
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # the warning counted above
+    for name in ["torch, use_reentrant=False", "torch, use_reentrant=True"]:
+        report = step(zoo.first_block_checkpointed, name)
+        print(f"{name}: kept {report.retained_bytes:,} B;", verdicts(report).strip())
+        assert report.regions[0].recomputed_bytes == (0 if "True" in name else 64 * 1024)
+
+# %% [markdown]
+# Fix: the non-reentrant checkpoint (`use_reentrant=False`, `ckpt_lab.checkpoint`), or
+# `x.requires_grad_()` on the input.
+
+# %% [markdown]
+# <a id="c4"></a>
+# ## 4. BatchNorm's running statistics, updated twice
+#
+# Linear, BatchNorm1d, ReLU, Linear; one training step, checkpointed or not. Training-mode
+# BatchNorm adds 1 to `num_batches_tracked` and blends the batch statistics into `running_mean`
+# *in place*, in every forward, including the one backward re-runs:
+
+# %%
+plain_bn, plain_grads = zoo.batchnorm_step(None)
+print(f"{'plain':30} num_batches_tracked {plain_bn[1].num_batches_tracked.item()}")
+for name in zoo.CHECKPOINTS:
+    for fixed_bn in (False, True):
+        model, grads = zoo.batchnorm_step(name, fixed=fixed_bn)
+        tracked = model[1].num_batches_tracked.item()
+        mean_off = (model[1].running_mean - plain_bn[1].running_mean).abs().max().item()
+        label = name + (" + fix" if fixed_bn else "")
+        print(f"{label:36} num_batches_tracked {tracked}  running_mean off by {mean_off:.4f}  "
+              f"gradients off by {max_diff(grads, plain_grads)}")
+        assert tracked == (1 if fixed_bn else 2) and (mean_off == 0) == fixed_bn
+        assert max_diff(grads, plain_grads) == 0
+
+# %% [markdown]
+# The gradients match to the bit (training mode normalises with the batch's own statistics), so a
+# test that compares gradients passes; the model just evaluates worse later. `explain` shows the
+# re-run that does it:
+
+# %%
+print(verdicts(step(zoo.batchnorm_checkpointed)))
+
+# %% [markdown]
+# The fix, `skip_stats_update_in_recompute(model)` (notebook 05, §7), gives a forward that runs
+# inside backward scratch copies of the three buffers: `num_batches_tracked` 1, the running mean
+# equal to the plain step's, with all four checkpoints.
+
+# %% [markdown]
+# <a id="c5"></a>
+# ## 5. Autocast during the recomputation
+#
+# A checkpoint records the autocast state at its call and restores it for the re-run, so a
+# `loss.backward()` outside `torch.autocast` still recomputes in bfloat16 (all four checkpoints do).
+# What can still differ is autocast's **cast cache**: inside one autocast region, a weight (a leaf
+# that requires grad) is cast once and the cast reused. Here the first Linear runs before the
+# checkpoint in the same region, so the checkpoint's forward takes its weight from the cache, while
+# the recomputation, after the region, casts it again:
+
+# %%
+reference = zoo.autocast_step(None)
+autocast_results = {name: zoo.autocast_step(name) for name in zoo.AUTOCAST_RUNS}
+for name, result in autocast_results.items():
+    shown = result if isinstance(result, str) else f"gradients off by {max_diff(result, reference)}"
+    print(f"{name:44} {shown}")
+
+# %% [markdown]
+# * torch's selective checkpointing (SAC) with a policy that saves `_to_copy` (the casts) raises:
+#   the recomputation runs one more cast than the forward did.
+# * `ckpt_lab.selective_checkpoint` leaves autocast's weight casts out of its op-by-op matching
+#   (`ckpt_lab.selective`, NOTE [ Autocast's weight casts ]): same policy, exact gradients.
+# * The reentrant variants differ by rounding, not by a bug, and only in the first Linear's weight
+#   and bias (used twice): their nested backward sums the two uses' gradients in float32 in
+#   `.grad`, where the plain step sums them in bfloat16 through the one cached cast. Relative to
+#   the gradient:
+
+# %%
+first_weight = reference[0]
+for name in ["torch, use_reentrant=True", "ckpt_lab.reentrant_checkpoint"]:
+    off = (autocast_results[name][0] - first_weight).abs().max().item()
+    relative = off / first_weight.abs().max().item()
+    print(f"{name:30} {relative:.4f} of the largest entry (bfloat16's step: 2⁻⁸ = 0.0039)")
+    assert relative < 2**-6
+assert all(max_diff(autocast_results[name], reference) == 0
+           for name in ["torch, use_reentrant=False", "ckpt_lab.checkpoint",
+                        "ckpt_lab.selective_checkpoint (same policy)"])
+assert isinstance(autocast_results["torch SAC (saves matmuls and casts)"], str)
+
+# %% [markdown]
+# Not shown on a CPU: both torch's checkpoint and ours choose *which device's* autocast state to
+# restore from the devices of the tensor arguments (CPU autocast always). A GPU block called with
+# only CPU tensors, or one whose inputs FSDP2 casts in a hook (the PyTorch issue "FSDP2 and autocast
+# compatibility issue"), recomputes in another dtype; the non-reentrant checkpoints then raise a
+# metadata mismatch. Which devices' autocast state a call with CPU tensors records, in ours:
+
+# %%
+settings = ReplayState.capture(torch.randn(2)).autocast.settings
+print("autocast state recorded for:", [device for device, _, _ in settings])
+assert [device for device, _, _ in settings] == ["cpu"]
+
+# %% [markdown]
+# <a id="c6"></a>
+# ## 6. A selective policy with a counter
+#
+# "Save every other matmul", written with a counter in the policy's closure:
+
+# %%
+show_source(zoo.every_other_matmul, start="seen = [0]", stop="policy.seen")
+
+# %% [markdown]
+# Three blocks of three matmuls, each block in a selective checkpoint. If one policy object serves
+# every call, the counter runs on from block to block: block 1 starts on an even count and keeps
+# its 8 KiB middle matmul instead of its 32 KiB first one. (Each block's last matmul is its output,
+# handed on, not counted as kept.) A fresh counter per call:
+
+# %%
+for implementation in ["ours", "torch"]:
+    kept = {}
+    for factory in [zoo.counter_shared, zoo.counter_fresh]:
+        kept[factory.__name__] = [r.kept_bytes for r in step(factory, implementation).regions]
+    print(f"{implementation:6} kept per block: shared counter {kept['counter_shared']}, "
+          f"fresh {kept['counter_fresh']}")
+    assert kept["counter_shared"] == [32768, 8192, 32768] and kept["counter_fresh"] == [32768] * 3
+
+# %% [markdown]
+# Do the gradients suffer? In older torch versions the policy was asked again during the
+# recomputation (with `ctx.is_recompute=True`), where a counter saw different calls and could
+# serve one matmul's output for another. torch 2.13's SAC and ours ask only in the forward and
+# replay its decisions: the policy is called 9 times for 9 matmuls (forward only), and the
+# gradients equal a plain step's:
+
+# %%
+for implementation in ["ours", "torch"]:
+    model, x, loss_fn = zoo.counter_shared(implementation)
+    shared = model.policy_for_call()
+    grads = zoo.gradients(model, x)
+    plain_grads = zoo.gradients(zoo.counter_shared("none")[0], x)
+    print(f"{implementation:6} policy calls on matmuls: {shared.seen[0]}, "
+          f"gradients off by {max_diff(grads, plain_grads)}")
+    assert shared.seen[0] == 9 and max_diff(grads, plain_grads) == 0
+
+# %% [markdown]
+# The safe form either way: make the policy per call (`policy=every_other_matmul()` inside the
+# loop; for torch, inside `context_fn`, which is called once per checkpointed call), and if it must
+# count, count only forward calls (`if ctx.is_recompute: ...`).
+
+# %% [markdown]
+# <a id="c7"></a>
+# ## 7. The reentrant checkpoint under DDP
+#
+# "Expected to mark a variable ready only once": shown, explained and fixed in
+# [notebook 06](06_distributed.ipynb), §2 *The failure: "marked as ready twice"* and §4 *The
+# fixes* (the non-reentrant checkpoint, or `static_graph=True`).
+
+# %% [markdown]
+# <a id="c8"></a>
+# ## 8. A recomputation that differs from the forward
+#
+# LayerDrop skips a block at random during training. Drawn with Python's `random` inside the
+# checkpoint, it is drawn *again* when backward re-runs the block: a checkpoint replays torch's RNG,
+# not Python's.
+
+# %%
+show_source(zoo.LayerDrop._maybe, start="if random")
+
+# %% [markdown]
+# With seed 10 the forward keeps the block and the recomputation skips it. The non-reentrant
+# checkpoint's *determinism check* compares what the re-run saves with what the forward saved:
+
+# %% tags=["raises-exception"]
+random.seed(10)
+zoo.gradients(zoo.LayerDrop(checkpoint), torch.randn(zoo.BATCH, zoo.WIDTH, requires_grad=True))
+
+# %% [markdown]
+# torch's (`use_reentrant=False`, `determinism_check="default"`) raises too; the reentrant ones
+# have no such check and return gradients, wrong ones:
+
+# %%
+for seed in [10, 1]:
+    right = zoo.layer_drop_step(None, seed)
+    for name in zoo.CHECKPOINTS:
+        got = zoo.layer_drop_step(name, seed)
+        shown = got if isinstance(got, str) else f"gradients off by {max_diff(got, right):.4f}"
+        print(f"seed {seed:2} {name:30}", shown)
+assert isinstance(zoo.layer_drop_step("torch, use_reentrant=False", 10), str)
+wrong = zoo.layer_drop_step("ckpt_lab.reentrant_checkpoint", 10)
+assert max_diff(wrong, zoo.layer_drop_step(None, 10)) > 0.01
+
+# %% [markdown]
+# Seed 1 is the other way round: the forward skips the block and saves nothing, so the
+# non-reentrant checkpoints re-run nothing and are right by luck, while both reentrant ones
+# recompute the block and are silently wrong. And the check compares shapes, dtypes and devices
+# only: `RandomActivation` picks tanh or sigmoid at random, which save one tensor of the same shape
+# each, so a recomputation that picks the other passes the check, in every variant:
+
+# %%
+right = zoo.layer_drop_step(None, 10, model=zoo.RandomActivation)
+offs = {name: max_diff(zoo.layer_drop_step(name, 10, model=zoo.RandomActivation), right)
+        for name in zoo.CHECKPOINTS}
+for name, off in offs.items():
+    print(f"{name:30} no error; gradients off by {off:.4f}")
+assert all(off > 1e-3 for off in offs.values())
+
+# %% [markdown]
+# Silently wrong gradients in torch's checkpoints and ours alike: no check on shapes can see it.
+# What to do: make the choice outside the checkpoint and pass it in (or draw it with torch's RNG,
+# which the checkpoint replays). Data-dependent branches on the *inputs* are safe (the re-run sees
+# the same inputs); branches on Python state that changes (a step counter, a flag) are not.
+
+# %%
+show_source(zoo.LayerDropFixed.forward, start="keep =")
+
+# %%
+for seed in [10, 1]:
+    right = zoo.layer_drop_step(None, seed, fixed=True)
+    offs = [max_diff(zoo.layer_drop_step(name, seed, fixed=True), right) for name in zoo.CHECKPOINTS]
+    print(f"seed {seed:2}: gradients off by {offs} (4 checkpoints)")
+    assert offs == [0, 0, 0, 0]
+
+# %% [markdown]
+# ## Summary
+#
+# | # | cause | measured | fix, measured |
+# |---|---|---|---|
+# | 1 | whole function / last stage checkpointed | peak 335,876 B either way, as without | each block but the last: 139,268 B |
+# | 2 | caller keeps the input / logged activations | one-op checkpoint keeps as much as none; hook: 212,992 B | log floats: 114,688 B |
+# | 3 | no grad | under `no_grad`: 4 B kept with or without; reentrant on data: 4 parameters untrained, never re-run | non-reentrant checkpoint |
+# | 4 | BatchNorm | `num_batches_tracked` 2, gradients equal | `skip_stats_update_in_recompute`: 1 |
+# | 5 | autocast cast cache | torch's SAC saving casts raises; reentrant: rounding | ours matches to the bit |
+# | 6 | counter policy shared by calls | kept per block 32, 8, 32 KiB; gradients right (2.13, ours) | fresh counter per call: 32 KiB each |
+# | 7 | reentrant + DDP | notebook 06 | notebook 06 |
+# | 8 | Python `random` inside the checkpoint | `CheckpointError`; silently wrong: reentrant, and all four if shapes match | choice made outside, passed in: exact |

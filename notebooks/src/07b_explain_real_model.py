@@ -1,0 +1,316 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,src//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 07b · Why didn't my memory drop? `explain` on a real model
+#
+# **TL;DR.** GPT-2 from Hugging Face `transformers` (5.23, built from a small config: 4 blocks,
+# width 128, 4 sequences of 128 tokens, GPT-2's dropout), one training step, five ways to
+# checkpoint it, each measured by `ckpt_lab.explain` (*retained*: bytes alive between forward and
+# backward; *peak*: the most alive at once over the step; both exact storage bytes, gradients of
+# the weights excluded):
+#
+# | variant | retained MiB | peak MiB | retained / plain | largest holder `explain` names |
+# |---|---|---|---|---|
+# | plain | 43.8 | 45.8 | 1.00 | `mul` in `h.*.mlp.act` (GPT-2's GELU) |
+# | transformers' switch (torch's checkpoint) | 3.0 | 14.0 | 0.07 | the loss's `_log_softmax` |
+# | `ckpt_lab.checkpoint` in the same switch | 3.0 | 14.0 | 0.07 | the loss's `_log_softmax` |
+# | scope around each MLP | 22.8 | 28.8 | 0.52 | attention's `_softmax` |
+# | scope around each attention | 27.0 | 29.0 | 0.62 | `mul` in `h.*.mlp.act` |
+# | planner, half its budget range | 38.0 | 45.5 | 0.87 | attention's `bmm`, kept by the plan |
+#
+# Before any checkpoint, `explain` points at GPT-2's GELU: written as Python arithmetic, it keeps
+# 16 MiB; the fused `gelu_pytorch_tanh` keeps 4 (43.8 → 31.8 MiB, §1). All six give the plain
+# step's gradients, bit for bit. `ckpt_lab.checkpoint` and the planner drop
+# into the library's own switch; the scope goes around a submodule's `forward` (§4, §7).
+#
+# The companion notebook [07 · Why didn't my memory drop?](07_why_memory_did_not_drop.ipynb) shows
+# the failure zoo on small models; this one is the same instrument on a model people train.
+#
+# | question | section |
+# |---|---|
+# | What does GPT-2 keep for backward, and who? | 1 |
+# | How does `transformers` checkpoint a block, and where does ours plug in? | 2, 3 |
+# | What does a scope around the MLP or the attention keep? | 4 |
+# | What does the planner do at a budget, and why does the peak stay? | 5 |
+# | The step over time, plain and checkpointed | 6 |
+# | Which of ours drop into a real model's code, and how? | 7 |
+
+# %%
+import warnings
+
+import matplotlib.pyplot as plt
+import torch
+
+# transformers imports tqdm's notebook progress bars, which warn when ipywidgets is absent.
+warnings.filterwarnings("ignore", message="IProgress not found")
+import transformers
+
+import ckpt_lab
+from ckpt_lab.explain import explain
+from ckpt_lab.explain.real import checkpointed_layers, gpt2, lm_loss, plan_layers, scope_submodules
+from ckpt_lab.helpers.viz import save_figure
+from ckpt_lab.instruments.memory import measure_memory
+
+print("torch", torch.__version__, "| transformers", transformers.__version__)
+
+MiB = 2**20
+reports, grads = {}, {}
+
+
+def step(name, model, ids):
+    """One explained training step (model's own LM loss), dropout seeded alike for every variant."""
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(1)
+    reports[name] = explain(model, ids, labels=ids, loss_fn=lm_loss)
+    grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return reports[name]
+
+
+# %% [markdown]
+# ## 1 · The model, plain
+#
+# `gpt2()` (in `ckpt_lab.explain.real`) builds `GPT2LMHeadModel` from a `GPT2Config`, seeded, in
+# training mode. Two choices are spelled out: *eager* attention (softmax, dropout and the matmuls
+# as separate ops, which `explain` can name; SDPA fuses them) and a vocabulary of 512 tokens. The
+# loss is the model's own: `model(ids, labels=ids).loss`, which `explain` gets as `loss_fn`.
+
+# %%
+model, ids = gpt2()
+params = sum(p.numel() for p in model.parameters())
+print(f"{type(model).__name__}: {len(checkpointed_layers(model))} blocks, {params:,} parameters; "
+      f"input ids {tuple(ids.shape)}")
+print(step("plain", model, ids).summary())
+
+# %% [markdown]
+# Read top down: 43.8 MiB kept, thirteen times the parameters. The largest holders are in
+# `mlp.act`: GPT-2's `gelu_new` is written as Python arithmetic (`0.5 * x * (1 + tanh(...))`), and
+# each `mul`, `add` and `tanh` keeps a tensor as large as the MLP's hidden layer. In `attn`, the
+# `empty_like` filled by `bernoulli_` and a `mul` are attention's dropout (its mask, its output);
+# the `clone`s (256 KiB each) are contiguous copies that `torch.matmul` makes of query, key and
+# value for its batched multiply, and one of the output before `c_proj`. None of it is inside a
+# checkpoint yet.
+#
+# The largest holder is an implementation choice, not a law: `gelu_pytorch_tanh` is the same
+# function as one fused op. Its backward reads its input (`c_fc`'s output, kept anyway), so of
+# what `mlp.act` makes only its output stays (`c_proj` needs it). One config field, no checkpoint:
+
+# %%
+fused_model, _ = gpt2(activation="gelu_pytorch_tanh")  # the same weights and tokens, seed 0
+fused = explain(fused_model, ids, labels=ids, loss_fn=lm_loss)
+for name, r in (("gelu_new", reports["plain"]), ("gelu_pytorch_tanh", fused)):
+    act = sum(row.bytes for row in r.saved if row.module.endswith("mlp.act"))
+    print(f"{name:<18} kept {r.retained_bytes / MiB:5.1f} MiB, of it in mlp.act {act / MiB:4.1f} MiB; "
+          f"peak {r.peak_bytes / MiB:5.1f} MiB")
+
+# %% [markdown]
+# 12 MiB less, a quarter of the step, before any checkpoint. The rest of this notebook keeps
+# GPT-2's own `gelu_new`.
+#
+# Is the report right? `measure_memory`, the instrument every notebook measures with, runs the
+# same step. The two must agree to the byte, and what `explain` lists must add up:
+
+# %%
+reference = measure_memory(lambda: model(ids, labels=ids).loss)
+plain = reports["plain"]
+print("retained:", plain.retained_bytes, "==", reference.retained_bytes, "| peak:", plain.peak_bytes,
+      "==", reference.peak_bytes)
+assert (plain.retained_bytes, plain.peak_bytes) == (reference.retained_bytes, reference.peak_bytes)
+print(f"{plain.saved_bytes} in {len(plain.saved)} listed storages + {plain.loss_bytes} (the loss) "
+      f"= {plain.saved_bytes + plain.loss_bytes}")
+assert plain.retained_bytes == plain.saved_bytes + plain.loss_bytes
+
+# %% [markdown]
+# ## 2 · The library's own switch
+#
+# `transformers` 5.23 calls it `model.activation_checkpointing_enable()`; `gradient_checkpointing_enable()`,
+# the name most code uses, still works and warns that it goes away in version 6. What it does
+# (`modeling_utils.py` and `modeling_layers.py`):
+#
+# 1. it makes `partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)` (the switch's
+#    keyword arguments are only torch's) and stores it on every block as the attribute
+#    `_gradient_checkpointing_func`, and sets the block's `gradient_checkpointing` flag;
+# 2. each block is a `GradientCheckpointingLayer`, whose `forward` was wrapped when the class was
+#    made: in training mode, flag set, it calls
+#    `self._gradient_checkpointing_func(partial(forward, self, **kwargs), *args)`.
+#
+# So the positional arguments (the hidden states, and GPT-2's attention mask) are the
+# checkpoint's inputs, the keyword arguments ride inside the `partial`, and module hooks stay
+# outside the checkpoint.
+
+# %%
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    gpt2()[0].gradient_checkpointing_enable()  # the old name
+print("old name:", caught[0].category.__name__, "-", str(caught[0].message).split(". ")[0])
+model, ids = gpt2()
+model.activation_checkpointing_enable()
+block = model.transformer.h[0]
+print(type(block).__mro__[1].__name__, "| flag:", block.gradient_checkpointing, "| plug:",
+      block._gradient_checkpointing_func.func.__module__, block._gradient_checkpointing_func.keywords)
+print(step("transformers' switch", model, ids).summary())
+
+# %% [markdown]
+# 3.0 MiB, from 43.8: each checkpoint "keeps only its inputs", and the largest holder now is the
+# loss's `_log_softmax` (4 × 128 tokens × 512 logits), outside any module. The peak (14.0 MiB) is
+# what backward needs while it re-runs one block: "re-running it allocates 19.0 MiB" per block.
+
+# %% [markdown]
+# ## 3 · `ckpt_lab.checkpoint` in the same switch
+#
+# The switch takes no other function, but the attribute it sets is the plug: anything called like
+# torch's checkpoint can sit there. `ckpt_lab.checkpoint` is (it accepts `use_reentrant=False`).
+# Switch on, then replace the function, block by block; the switch's other work stays (which
+# blocks, `use_cache` off). `ckpt_lab.explain.real.use_checkpoint_function(model, fn)` is these lines.
+
+# %%
+model, ids = gpt2()
+model.activation_checkpointing_enable()
+for layer in checkpointed_layers(model):  # the GradientCheckpointingLayer modules
+    layer._gradient_checkpointing_func = ckpt_lab.checkpoint
+ours = step("ckpt_lab.checkpoint in the switch", model, ids)
+print(ours.summary())
+torchs = reports["transformers' switch"]
+same = (ours.retained_bytes, ours.peak_bytes) == (torchs.retained_bytes, torchs.peak_bytes)
+print("same bytes as torch's:", same)
+
+# %% [markdown]
+# The same bytes, and `explain` tells the two apart by their pack hooks: `checkpoint
+# (ckpt_lab.checkpoint)` here, `(torch.utils.checkpoint)` in §2.
+#
+# ## 4 · The scope around each block's MLP, or its attention
+#
+# `gradient_checkpoint_scope` (notebook 04) is a `with` block: every tensor created inside it is
+# recomputed in backward. It goes around code, not a function, so to put it around each MLP we
+# wrap the module's `forward`, on the instance: module paths, `state_dict` keys and hooks stay as
+# they were. `scope_submodules(model, "mlp")` does it for every submodule called `mlp`:
+#
+# ```python
+# def scoped_forward(*args, **kwargs):          # for each module m to scope, forward = m.forward
+#     with ckpt_lab.gradient_checkpoint_scope():
+#         return forward(*args, **kwargs)
+# m.forward = scoped_forward
+# ```
+#
+# The switch stays off: a scope inside a checkpoint does nothing (notebook 04).
+
+# %%
+for part in ("mlp", "attn"):
+    model, ids = gpt2()
+    paths = scope_submodules(model, part)
+    report = step(f"scope around each {'MLP' if part == 'mlp' else 'attention'}", model, ids)
+    print(f"--- {paths}\n{report.summary(top=3)}")
+    made_inside = sum(r.bytes for r in report.saved if f".{part}" in r.module)
+    ln_2 = sum(r.bytes for r in report.saved if r.module.endswith("ln_2"))
+    print(f"kept, made by modules inside the scoped {part}: {made_inside} bytes;",
+          f"ln_2 outputs: {ln_2} bytes\n")
+
+# %% [markdown]
+# Around the MLP: 22.8 MiB, about half. Nothing the MLP made is kept (0 bytes, the GELU's
+# intermediates included); what is left is the attention's softmax, dropout mask and scaled
+# output, which the scope does not cover, and what comes into the MLP from outside: its input,
+# `ln_2`'s output (1.0 MiB over the four blocks), made before the scope opened. Around the
+# attention: 27.0 MiB, and the GELU's tensors lead again. A scope frees exactly what its block of code makes;
+# a checkpoint around the whole block frees everything but the block's input.
+
+# %% [markdown]
+# ## 5 · The planner at a budget
+#
+# `ckpt_lab.planner.plan(function, *args, budget=...)` profiles a function with its arguments and
+# chooses which op outputs to keep within a byte budget (notebook 05). A `transformers` block is
+# called with keyword arguments only the model knows (masks, position ids), so we let the switch
+# find them: `plan_layers(model, ids, labels=ids)` runs one forward with a profiling function in
+# the plug (`planner.profile` on each block as the model calls it), solves one budget over the
+# four blocks (`planner.solve`), and plugs a `selective_checkpoint` per block. The budget: half of
+# the planner's range, from keeping only the blocks' inputs to keeping every candidate.
+
+# %%
+model, ids = gpt2()
+plan = plan_layers(model, ids, labels=ids, fraction=0.5)
+planned = step("planner, half its budget range", model, ids)
+inside = sum(row.bytes for row in planned.saved if row.region)
+print(f"budget {plan.budget / MiB:.1f} MiB; the plan predicts {plan.retained_bytes / MiB:.1f} MiB kept by "
+      f"the blocks; measured inside them {inside / MiB:.1f} MiB; {len(plan.saved_ops)} op outputs kept")
+print("each block's inputs:", [p.input_bytes for p in plan.profiles], "bytes; hidden states",
+      ids.numel() * 128 * 4, "bytes")
+print(planned.summary(top=3))
+t = planned.timeline
+print("the peak is in backward:", t.peak_index >= t.backward_start)
+
+# %% [markdown]
+# The prediction is 1.0 MiB above the measurement: each block's inputs are its hidden states and
+# the attention mask (256 KiB each, GPT-2 passes both positionally); the planner counts the mask
+# once per block, but it is one tensor, made outside the blocks. The plan keeps 38.0 MiB,
+# and the peak hardly moves (45.5 MiB against 45.8): the budget bounds what is *kept* between
+# forward and backward, not the peak in backward, where the kept outputs of every block are still
+# alive while the last one is re-run. To lower the peak, lower the budget.
+
+# %% [markdown]
+# ## 6 · The step over time
+#
+# `report.plot(ax)` draws the live bytes after every storage born or freed, the recomputations
+# shaded, and the peak with what was alive at it. Plain, the library's switch, ours in it:
+
+# %%
+names = ["plain", "transformers' switch", "ckpt_lab.checkpoint in the switch"]
+fig, axes = plt.subplots(len(names), 1, figsize=(10, 9), sharey=True)
+for ax, name in zip(axes, names, strict=True):
+    reports[name].plot(ax)
+    ax.set_title(f"GPT-2 (4 blocks), {name}: {reports[name].retained_bytes / MiB:.1f} MiB kept after forward")
+fig.tight_layout()
+save_figure(fig, "07b_gpt2_timeline")
+
+# %% [markdown]
+# Plain, the curve climbs through the forward and falls through backward. Checkpointed, it stays
+# low in forward and rises in four teeth in backward: one block re-run at a time (orange), then
+# freed. Torch's and ours: the same shape, the same 14.0 MiB peak.
+#
+# ## 7 · The six variants, and which of ours drop in
+#
+# The table of the TL;DR, from the reports above; and the gradients, compared with the plain
+# step's bit for bit (dropout draws the same masks: every checkpoint replays the random state).
+
+# %%
+plain = reports["plain"]
+print(f"{'variant':<36}{'retained MiB':>13}{'peak MiB':>10}{'ratio':>7}  largest holder")
+for name, r in reports.items():
+    holder = next(line for line in r.summary(top=1).splitlines() if line.startswith("  "))
+    print(f"{name:<36}{r.retained_bytes / MiB:>13.1f}{r.peak_bytes / MiB:>10.1f}"
+          f"{r.retained_bytes / plain.retained_bytes:>7.2f}  {holder.split(': ', 1)[1][:60]}")
+same = {name: all(torch.equal(g[k], grads["plain"][k]) for k in g) for name, g in grads.items()}
+print("gradients equal to the plain step's:", same)
+assert all(same.values())
+
+# %% [markdown]
+# **Which of ours drop into a real model's code, and how.**
+#
+# * `ckpt_lab.checkpoint`: anywhere torch's non-reentrant checkpoint is called, with the same
+#   arguments. In `transformers`, after the switch, store it in each block's plug:
+#
+#   ```python
+#   model.activation_checkpointing_enable()
+#   for layer in checkpointed_layers(model):      # isinstance(m, GradientCheckpointingLayer)
+#       layer._gradient_checkpointing_func = ckpt_lab.checkpoint
+#   ```
+#
+# * the planner: through the same plug, one `selective_checkpoint` per block with its share of one
+#   budget; the blocks' keyword arguments are why it is profiled through the model
+#   (`plan_layers(model, ids, labels=ids)`), not called as `planner.plan(block, x)`.
+# * `gradient_checkpoint_scope`: around any code you can edit, or around a submodule's `forward`
+#   without editing it (§4); not inside the switch's checkpoint, where it does nothing.
+#
+# From a shell, the same report and plot for any of these:
+# `python -m ckpt_lab.explain ckpt_lab.explain.real:gpt2_ckpt_lab --plot gpt2.png`
+# (factories: `gpt2_plain`, `gpt2_transformers`, `gpt2_ckpt_lab`, `gpt2_scope_mlp`,
+# `gpt2_scope_attn`, `gpt2_planned`).
