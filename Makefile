@@ -65,14 +65,16 @@ notebooks: setup
 	CKPT_LAB_SAVE_IMAGES=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 	  --ExecutePreprocessor.kernel_name=python3 --ExecutePreprocessor.timeout=600 notebooks/$(NB)*.ipynb
 
-## bench: the full benchmark (about 9 minutes on 2 cores); rewrites bench/results.json and the README's plots
-## (python -m ckpt_lab.bench [--quick] alone writes to results/, which git ignores)
+## bench: the full benchmark with torch.compile's budget rows (about 15 minutes on 2 cores); rewrites
+## bench/results.json and the README's plots (python -m ckpt_lab.bench [--quick] alone writes to results/,
+## which git ignores)
 bench: setup
-	$(BIN)/python -m ckpt_lab.bench --refresh-readme
+	$(BIN)/python -m ckpt_lab.bench --refresh-readme --compile
 
-## pareto: the memory/recompute frontier (about a minute); rewrites images/05_pareto.png
+## pareto: the memory/recompute frontier with torch.compile's budget points (about 3 minutes);
+## rewrites images/05_pareto.png
 pareto: setup
-	$(BIN)/python -m ckpt_lab.bench.pareto --refresh-readme
+	$(BIN)/python -m ckpt_lab.bench.pareto --refresh-readme --compile
 
 clean:
 	rm -rf $(VENV)

@@ -66,6 +66,7 @@ __all__ = [
     "Plan",
     "PlanPolicy",
     "Profile",
+    "TracedPlanPolicy",
     "budget_range",
     "frontier",
     "matmul_flops",
@@ -473,6 +474,41 @@ class PlanPolicy:
         return CheckpointPolicy.MUST_SAVE if decision is SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class TracedPlanPolicy(PlanPolicy):
+    """The plan's decisions keyed by (op, how many of that op came before), for ``torch.compile``.
+
+    NOTE [ A plan under torch.compile ]
+    Traced by Dynamo and AOTAutograd, a checkpointed region shows the policy another op sequence
+    than the eager run the profile recorded: training-mode dropout is one ``native_dropout`` instead
+    of ``empty_like bernoulli_ div_ mul``, eval-mode dropout an extra ``clone``. Positions no longer
+    line up, but the ops the plan chooses between (matmuls, GELU: never random, in-place or views)
+    are the same ops in the same order. So this policy saves the k-th call of an op when the
+    profile's k-th call of that op is planned saved; ops the profile never saw are recomputed (they
+    are the rerun kind: dropout's draw, copies). A traced run with more calls of a profiled op than
+    the profile (another computation) raises ``CheckpointError``. ``Plan.torch_context_fn`` picks
+    this policy when ``torch.compiler.is_compiling()``; eager keeps the strict positional one.
+    """
+
+    def __init__(self, profile: Profile, saved: frozenset[int]) -> None:
+        super().__init__(profile, saved)
+        self.seen: dict[Any, int] = {}
+        self.where: dict[Any, list[int]] = {}  # op -> its positions in the profile
+        for r in profile.ops:
+            self.where.setdefault(r.op, []).append(r.index)
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        if is_autocast_weight_cast(op, args, kwargs) or op not in self.where:
+            return RECOMPUTE
+        k = self.seen[op] = self.seen.get(op, -1) + 1
+        if k >= len(self.where[op]):
+            raise CheckpointError(
+                f"plan: under torch.compile, call {k + 1} of {op} in this region, but the profile the "
+                f"plan was made from calls it {len(self.where[op])} times. The plan was made for another "
+                "computation (other shapes, branches, or train/eval mode): make a new plan for it."
+            )
+        return SAVE if self.where[op][k] in self.saved else RECOMPUTE
+
+
 @dataclass(frozen=True)
 class Plan:
     """Which ops to keep, per region (one region per checkpointed call), and what that predicts."""
@@ -527,12 +563,13 @@ class Plan:
         return x
 
     def torch_context_fn(self, region: int = 0) -> Callable[[], Any]:
-        """The same plan for ``torch.utils.checkpoint.checkpoint(..., context_fn=...)``."""
+        """The same plan for ``torch.utils.checkpoint.checkpoint(..., context_fn=...)``; under
+        ``torch.compile`` keyed by op rather than position (NOTE [ A plan under torch.compile ])."""
 
         def context_fn() -> Any:
-            return torch.utils.checkpoint.create_selective_checkpoint_contexts(
-                self.policy(region).torch_policy
-            )
+            traced = torch.compiler.is_compiling()
+            policy = (TracedPlanPolicy if traced else PlanPolicy)(self.profiles[region], self.saved[region])
+            return torch.utils.checkpoint.create_selective_checkpoint_contexts(policy.torch_policy)
 
         return context_fn
 

@@ -6,6 +6,12 @@ puts them on one picture, for a transformer stack and an MLP stack:
 
     python -m ckpt_lab.bench.pareto [--out DIR] [--json PATH]   # about 40 s on 2 cores
     python -m ckpt_lab.bench.pareto --refresh-readme          # rewrite images/05_pareto.png (make pareto)
+    python -m ckpt_lab.bench.pareto --compile                 # add torch.compile's budget sweep (+1 min)
+
+With ``--compile`` (``measure_points(..., compiled=True)``, off by default: compiling is slow) each
+workload also gets torch.compile's points at ``activation_memory_budget`` 0 ... 1
+(``ckpt_lab.compiled.compiled_points``, notebook 08): bytes the compiled forward saves plus the
+first block's input, and the FLOPs of the forward ops its backward graph runs again.
 
 Both axes are exact counts, identical on every run and machine:
 
@@ -135,9 +141,12 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def measure_points(workload: Workload, budgets_fractions: Sequence[float] = FRACTIONS) -> list[Point]:
+def measure_points(
+    workload: Workload, budgets_fractions: Sequence[float] = FRACTIONS, compiled: bool = False
+) -> list[Point]:
     """Measure every strategy on ``workload``: the fixed ones, the planner (DP and greedy) at each
-    budget fraction, and CPU offload. See the module docstring for what the numbers mean."""
+    budget fraction, CPU offload, and with ``compiled`` torch.compile's memory budgets. See the
+    module docstring for what the numbers mean."""
     wl = workload
     runs = {name: s.run for name, s in REGISTRY.items()}
     baseline = _measure(wl, runs["none"])
@@ -186,6 +195,10 @@ def measure_points(workload: Workload, budgets_fractions: Sequence[float] = FRAC
             grads_ok=_same(m.grads, baseline.grads),
         )
     )
+    if compiled:
+        from ckpt_lab.compiled import compiled_points
+
+        points += compiled_points(wl)
     return points
 
 
@@ -210,6 +223,9 @@ _MARKERS = {
     "planner dp": dict(marker="o", s=60, color="tab:blue", zorder=3),
     "planner greedy": dict(marker="x", s=60, color="tab:orange", zorder=4),
     "CPU offload": dict(marker="P", s=110, color="tab:brown"),
+    # torch.compile's budgets: hollow where its gradients are wrong (ckpt_lab.compiled's NOTE).
+    "compiled": dict(marker="^", s=60, color="tab:gray", zorder=5),
+    "compiled, wrong gradients": dict(marker="^", s=60, facecolors="none", edgecolors="tab:gray", zorder=5),
 }
 
 
@@ -243,11 +259,18 @@ def plot(
             )
         labelled: set[str] = set()
         for p in points_by_workload[name]:
-            key = p.strategy.rsplit(" ", 1)[0] if p.strategy.startswith("planner") else p.strategy
-            x, y = p.retained_bytes / 2**20, p.recompute_flops / 1e9
-            label = {"planner dp": "planner DP, measured", "planner greedy": "planner greedy, measured"}.get(
-                key, p.strategy
+            key = (
+                p.strategy.rsplit(" ", 1)[0] if p.strategy.startswith(("planner", "compiled")) else p.strategy
             )
+            if key == "compiled" and not p.grads_ok:
+                key = "compiled, wrong gradients"
+            x, y = p.retained_bytes / 2**20, p.recompute_flops / 1e9
+            label = {
+                "planner dp": "planner DP, measured",
+                "planner greedy": "planner greedy, measured",
+                "compiled": "torch.compile budgets (aot_eager_decomp_partition)",
+                "compiled, wrong gradients": "torch.compile budgets, wrong gradients (dropout redrawn)",
+            }.get(key, p.strategy)
             ax.scatter([x], [y], label=None if key in labelled else label, **_MARKERS.get(key, {}))
             labelled.add(key)
             if p.strategy == "CPU offload":
@@ -306,9 +329,7 @@ def _default_workloads() -> list[Workload]:
     return [transformer(4), mlp(8)]
 
 
-def main(
-    argv: list[str] | None = None, workloads: Callable[[], list[Workload]] = _default_workloads
-) -> int:
+def main(argv: list[str] | None = None, workloads: Callable[[], list[Workload]] = _default_workloads) -> int:
     """The CLI; ``workloads`` lets tests run it on small stacks."""
     parser = argparse.ArgumentParser(
         prog="python -m ckpt_lab.bench.pareto", description=__doc__.split("\n\n")[0]
@@ -318,13 +339,16 @@ def main(
         "--refresh-readme", action="store_true", help="rewrite the README's images/05_pareto.png"
     )
     parser.add_argument("--json", type=Path, help="also write the points and frontiers here")
+    parser.add_argument(
+        "--compile", action="store_true", help="add torch.compile's activation_memory_budget points (slow)"
+    )
     args = parser.parse_args(argv)
     images = in_checkout("images") if args.refresh_readme else args.out
 
     points: dict[str, list[Point]] = {}
     frontiers: dict[str, list[tuple[int, float]]] = {}
     for wl in workloads():
-        points[wl.name] = measure_points(wl)
+        points[wl.name] = measure_points(wl, compiled=args.compile)
         frontiers[wl.name] = exact_frontier(wl)
         x = wl.input.untyped_storage().nbytes()
         print(f"{wl.name} ({wl.depth} blocks, input {x / 2**20:.3f} MiB)")
@@ -344,7 +368,8 @@ def main(
         f"{name}/{p.strategy}"
         for name, pts in points.items()
         for p in pts
-        if not p.grads_ok or p.within_budget is False
+        # torch.compile's wrong gradients are torch's (ckpt_lab.compiled's NOTE), shown, not failed on.
+        if (not p.grads_ok and not p.strategy.startswith("compiled")) or p.within_budget is False
     ]
     if broken:
         print("FAILED (over budget or gradients differ): " + ", ".join(broken), file=sys.stderr)
