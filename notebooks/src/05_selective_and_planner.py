@@ -23,10 +23,6 @@
 # knapsack, solved exactly; measured bytes and FLOPs equal the plan's. Under any checkpoint
 # BatchNorm counts two batches per step; hooks fix it.
 #
-# **You will be able to** write one SAC policy for torch and `ckpt_lab`, say what runs when under
-# it, plan a stack for a byte budget (`ckpt_lab.planner`), place a strategy on the
-# memory/recompute frontier, and keep BatchNorm's statistics right.
-#
 # | question | section |
 # |---|---|
 # | Which ops of a block hold the bytes, which the FLOPs? | 1 |
@@ -35,11 +31,11 @@
 # | Torch's SAC and ours: same bytes and FLOPs? Where is torch's wrong? | 2.3, 3 |
 # | Where does selective checkpointing save nothing? | 3.1 |
 # | What to keep for a byte budget? Greedy or exact? Checkmate and DTR? | 4 |
-# | Where do none, per-block, √N, SAC, the planner and offload sit on the frontier? | 5 |
+# | Where does each strategy sit on the memory/recompute frontier? | 5 |
 # | What does CPU offload cost instead? | 6 |
 # | Why does BatchNorm count two batches per step, and the fix? | 7 |
 #
-# All eager (torch's `activation_memory_budget` exists only under `torch.compile`); every number
+# All eager (torch's `activation_memory_budget` exists only under `torch.compile`: notebook 08); every number
 # is bytes or FLOPs, the same on every machine.
 
 # %%
@@ -49,7 +45,6 @@ import random
 
 import matplotlib.pyplot as plt
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS, create_selective_checkpoint_contexts
@@ -60,6 +55,7 @@ from ckpt_lab.batchnorm import skip_stats_update_in_recompute
 from ckpt_lab.bench import pareto
 from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.viz import save_figure
+from ckpt_lab.instruments.counting import OpCounter
 from ckpt_lab.offload import offload_to_cpu
 from ckpt_lab.planner import CostCounter, budget_range, plan_sequential, profile, solve
 from ckpt_lab.selective import _SaveMode, must_rerun, selective_checkpoint
@@ -121,58 +117,48 @@ save_figure(fig, "05_ops")
 
 # %% [markdown]
 # Red bars: a third of the candidate bytes, nearly all of the FLOPs. Keeping them is the "save
-# the matmuls" policy of torch's SAC
-# examples and torchtitan; Korthikanti et al. 2022 (arXiv:2205.05198) recompute only attention's
-# large, cheap intermediates and cut the overhead by over 90%. Grey ops (dropout's `empty_like`,
-# `bernoulli_`, `div_`) run again whatever a policy says.
+# the matmuls" policy of torch's SAC examples and torchtitan; Korthikanti et al. 2022
+# (arXiv:2205.05198) recompute only attention's large, cheap intermediates and cut the overhead by
+# over 90%. Grey ops (dropout's `empty_like`, `bernoulli_`, `div_`) run again whatever a policy says.
 #
 # ## 2 · Selective checkpointing
 #
-# To keep *some* outputs we must see each op: a `TorchDispatchMode` in the forward asks a policy
-# about each op and caches the outputs it wants; a second one in the recomputation serves them
-# instead of running their ops. `ckpt_lab.checkpoint` (notebook 03b) takes the pair through
-# `context_fn`, as torch's checkpoint does.
+# To keep *some* outputs we must see each op: one `TorchDispatchMode` asks the policy about each op
+# in the forward and caches what it keeps; a second serves those in the recomputation. Both reach
+# `ckpt_lab.checkpoint` (notebook 03b) through `context_fn`, as with torch's checkpoint.
 #
 # ### 2.1 · A first draft (it falls short)
 
 
 # %%
-class DraftSaveMode(TorchDispatchMode):
-    """DRAFT, forward: cache the outputs of the ops the policy names, in order."""
-    def __init__(self, cache, policy):
-        super().__init__()
-        self.cache, self.policy = cache, policy
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is not torch.ops.aten.detach.default:
-            self.cache.append(out.detach() if self.policy(None, func) else None)
-        return out
-class DraftServeMode(TorchDispatchMode):
-    """DRAFT, recomputation: return the cached output instead of running the op."""
-    def __init__(self, cache):
-        super().__init__()
-        self.cache, self.position = cache, itertools.count()
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.detach.default:
-            return func(*args, **(kwargs or {}))
-        cached = self.cache[next(self.position)]
-        return cached.detach() if cached is not None else func(*args, **(kwargs or {}))
 def draft_selective(function, x, policy):
-    cache = []
-    return checkpoint(function, x, context_fn=lambda: (DraftSaveMode(cache, policy), DraftServeMode(cache)))
+    cache, position = [], itertools.count()
+    class Save(TorchDispatchMode):
+        """DRAFT, forward: cache the outputs of the ops the policy names, in order."""
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is not torch.ops.aten.detach.default:
+                cache.append(out.detach() if policy(None, func) else None)
+            return out
+    class Serve(TorchDispatchMode):
+        """DRAFT, recomputation: return the cached output instead of running the op."""
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.detach.default:
+                return func(*args, **(kwargs or {}))
+            cached = cache[next(position)]
+            return cached.detach() if cached is not None else func(*args, **(kwargs or {}))
+    return checkpoint(function, x, context_fn=lambda: (Save(), Serve()))
 
 
 # %% [markdown]
 # "Save the matmuls" on the block works. Two small functions, each with a policy that keeps one
-# op's output: `two_draws` keeps its first random draw; `in_place` keeps `h.mul_(2)`.
+# op's output: `two_draws` keeps its first random draw; `in_place` keeps `mul_(2)`.
 
 # %%
 def two_draws(v):
-    a = v.sin() * torch.rand_like(v)
-    return a.cos() * torch.rand_like(v)
+    return (v.sin() * torch.rand_like(v)).cos() * torch.rand_like(v)
 def in_place(v):
-    h = v.sin()
-    h.mul_(2)
+    h = v.sin().mul_(2)
     return h * h
 def keep_first(packet):
     """Policy (torch's signature): keep the first op of this family (True = save), recompute the rest."""
@@ -195,18 +181,17 @@ for fn, packet in ((two_draws, torch.ops.aten.rand_like), (in_place, torch.ops.a
 # %% [markdown]
 # Wrong, silently, in every element:
 #
-# * **Random ops.** The recomputation restores the forward's RNG state, then *skips* the first
-#   `rand_like` (served), so the second draws what the first drew in the forward.
-# * **In-place ops.** Serve a cached copy instead of running `mul_`, and the re-run's `h` is never
-#   doubled.
-# * **Views** must alias the re-run's tensors; and a cached tensor that a later op fills in place
+# * **Random ops.** The recomputation restores the forward's RNG state, then *skips* the served
+#   first `rand_like`, so the second draws what the first drew in the forward.
+# * **In-place ops.** Served instead of run, `mul_` never doubles the re-run's `h`.
+# * **Views** must alias the re-run's tensors; a cached tensor that a later op fills in place
 #   (`empty_like` before `bernoulli_`) is no longer the op's output.
 #
 # ### 2.2 · The package's version, and what runs when
 #
 # `ckpt_lab.selective_checkpoint` asks the policy about every op, with torch's signature
-# `policy(ctx, op, *args, **kwargs)` (one policy drives both implementations), but runs three
-# kinds of op again whatever it answers:
+# `policy(ctx, op, *args, **kwargs)` (one policy drives both), but runs three kinds of op again
+# whatever it answers:
 
 # %%
 show_source(must_rerun, start="if op._schema")
@@ -219,14 +204,14 @@ show_source(must_rerun, start="if op._schema")
 show_source(_SaveMode, start="self.cache.policy", stop="entry = _Entry")
 
 # %% [markdown]
-# Not shown: ops torch's SAC skips too (`detach`, metadata queries) are not asked about, and
-# entries a later in-place op changed are dropped. The recomputation mode (`_ServeMode`) checks
-# each op against the forward's (appendix A) and returns the cached entry instead of running it;
-# backward frees a served tensor after use, like a recomputed one.
+# Not shown: ops torch's SAC skips too (`detach`, metadata queries) are not asked about; entries a
+# later in-place op changed are dropped. In the recomputation, `_ServeMode` checks each op against
+# the forward's (appendix A) and serves the cached entry instead of running it; backward frees it
+# after use, like a recomputed tensor.
 #
 # **What runs when.** A small MLP block (`mm`, `gelu`, dropout, `mm`), a policy that keeps the
 # first `mm` and notes when it is asked, and a `TorchDispatchMode` *outside* the checkpoint that
-# logs every op that really runs (a served op never reaches it) with its phase:
+# logs each op that really runs (a served op never reaches it), with its phase:
 
 # %%
 PHASE = {(True, False): "forward", (True, True): "recompute", (False, True): "backward"}
@@ -244,7 +229,7 @@ w1, w2, h0 = (torch.randn(*shape, requires_grad=True) for shape in ((16, 64), (6
 def mlp_block(h):
     trace.in_block = True
     try:
-        return F.dropout(F.gelu(h @ w1), 0.1, training=True) @ w2
+        return nn.functional.dropout(nn.functional.gelu(h @ w1), 0.1, training=True) @ w2
     finally:  # also when the recomputation stops early (by raising)
         trace.in_block = False
 def save_first_mm(ctx, op, *args, **kwargs):
@@ -256,8 +241,7 @@ with trace:
 # %%
 forward = [name for phase, name in trace.events if phase == "forward"]
 recomputed = [name for phase, name in trace.events if phase == "recompute"]
-# The recomputation serves op 0 (kept), re-runs the next ops in order, and never reaches the rest.
-assert recomputed == forward[1 : 1 + len(recomputed)]
+assert recomputed == forward[1 : 1 + len(recomputed)]  # op 0 served, the next ones re-run in order
 fate = ["served"] + ["re-run"] * len(recomputed) + ["not re-run"] * (len(forward) - 1 - len(recomputed))
 print(f"policy asked {asked.count('forward')} times in forward, {asked.count('backward')} in backward;",
       "recomputation:", ", ".join(f"{n} {f}" for n, f in zip(forward, fate, strict=True)))
@@ -274,20 +258,20 @@ for t, (lane, name, what) in enumerate(boxes):
     ran = what in COLOUR
     ax.bar(t, 0.8, bottom=LANE[lane] - 0.4, color=COLOUR.get(what, "w"), ec="k", ls="-" if ran else "--")
     ax.text(t, LANE[lane], name if ran else f"{name}\n{what}", rotation=90, ha="center", va="center", size=7)
-ax.set_xlabel("time (op by op)")
 ax.set_yticks([2, 1, 0], ["forward:\npolicy decides", "backward:\nre-run the block", "backward:\ngradients"])
-ax.set_title("keep the first mm: red = kept in forward, orange = recomputed in backward, dashed = not run")
+ax.set(xlabel="time (op by op)",
+       title="keep the first mm: red = kept in forward, orange = recomputed in backward, dashed = not run")
 save_figure(fig, "05_what_runs_when")
 
 # %% [markdown]
-# What runs when, read off the picture:
+# Read off the picture:
 #
-# 1. **Forward.** Every op runs once; the policy is asked about each (7 times) and keeps the first
-#    `mm`'s output (red). The checkpoint also keeps the block's input.
+# 1. **Forward.** Every op runs once; the policy, asked 7 times, keeps the first `mm`'s output
+#    (red). The checkpoint also keeps the block's input.
 # 2. **Backward reaches the block.** The first unpack starts one recomputation: the kept `mm` is
-#    *served* (nothing runs), `gelu` and dropout *run again* (orange). The policy is not asked
-#    again. The last `mm` never runs: the recomputation stops once every saved tensor is filled
-#    (notebook 03b).
+#    *served* (nothing runs), `gelu` and dropout *run again* (orange), the policy is not asked
+#    again, and the last `mm` never runs: the recomputation stops once every saved tensor is
+#    filled (notebook 03b).
 # 3. **Gradients** use the served and recomputed tensors, freed as they are used.
 #
 # ### 2.3 · The two failing cases, with the package and with torch's SAC (same policies)
@@ -304,10 +288,9 @@ for fn, packet in ((two_draws, torch.ops.aten.rand_like), (in_place, torch.ops.a
             print(f"{fn.__name__}, keep {packet.__name__}, {name:<29} raises RuntimeError: {error}")
 
 # %% [markdown]
-# The package is right in both. torch 2.13's eager SAC refuses the in-place case loudly (its cache
-# checks version counters) but serves the first draw and gets the gradients wrong, silently.
-# Keeping random ops is unusual, but nothing stops a policy from it; `tests/test_selective.py`
-# pins both behaviours.
+# The package is right in both. torch 2.13's eager SAC refuses the in-place case (its cache checks
+# version counters) but serves the first draw: wrong gradients, silently. Keeping random ops is
+# unusual, but no policy is stopped from it; `tests/test_selective.py` pins both behaviours.
 #
 # ## 3 · The same policy, ours and torch's, side by side
 #
@@ -324,21 +307,17 @@ def step_cost(forward):
 def retained(forward):
     torch.manual_seed(1)
     return measure_memory(lambda: forward().square().mean()).retained_bytes
-runs = {
-    "no checkpointing": lambda: block(x),
-    "ckpt_lab.checkpoint": lambda: checkpoint(block, x),
-    "torch SAC, save matmuls": lambda: torch_sac(block, x, policy=MATMULS),
-    "ckpt_lab SAC, save matmuls": lambda: selective_checkpoint(block, x, policy=MATMULS),
-}
+runs = {"no checkpointing": lambda: block(x), "ckpt_lab.checkpoint": lambda: checkpoint(block, x),
+        "torch SAC, save matmuls": lambda: torch_sac(block, x, policy=MATMULS),
+        "ckpt_lab SAC, save matmuls": lambda: selective_checkpoint(block, x, policy=MATMULS)}
 base_cost = step_cost(runs["no checkpointing"])
+table = {name: (same(grads_of(run, leaves), expected), retained(run), step_cost(run) - base_cost)
+         for name, run in runs.items()}
 print(f"{'':<28} {'grads ok':>8} {'retained KiB':>13} {'recompute kFLOPs':>17}")
-table = {}
-for name, run in runs.items():
-    table[name] = (retained(run), step_cost(run) - base_cost)
-    ok = same(grads_of(run, leaves), expected)
-    print(f"{name:<28} {ok!s:>8} {table[name][0] / 1024:>13.1f} {table[name][1] / 1000:>17.1f}")
+for name, (ok, kept, cost) in table.items():
+    print(f"{name:<28} {ok!s:>8} {kept / 1024:>13.1f} {cost / 1000:>17.1f}")
 assert table["torch SAC, save matmuls"] == table["ckpt_lab SAC, save matmuls"]
-sac_share = table["ckpt_lab SAC, save matmuls"][1] / table["ckpt_lab.checkpoint"][1]
+sac_share = table["ckpt_lab SAC, save matmuls"][2] / table["ckpt_lab.checkpoint"][2]
 print(f"saving the matmuls recomputes {sac_share:.1%} of what the plain checkpoint recomputes")
 
 # %% [markdown]
@@ -354,7 +333,7 @@ torch.manual_seed(0)
 linears = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
 lin_runs = {"none": lambda: linears(x), "plain checkpoint": lambda: checkpoint(linears, x),
             "SAC, save matmuls": lambda: selective_checkpoint(linears, x, policy=MATMULS)}
-none_kib = table["no checkpointing"][0] / 1024
+none_kib = table["no checkpointing"][1] / 1024
 print(f"block: policy 'save everything' {save_all / 1024:.1f} KiB, no checkpointing {none_kib:.1f} KiB")
 print("4 Linear layers:", ", ".join(f"{k} {retained(r) / 1024:.1f} KiB" for k, r in lin_runs.items()))
 
@@ -368,15 +347,15 @@ print("4 Linear layers:", ", ".join(f"{k} {retained(r) / 1024:.1f} KiB" for k, r
 #
 # ## 4 · A memory-budget planner
 #
-# Given a *budget* (bytes the forward may keep for backward), which outputs should be kept?
+# Given a *budget* (bytes the forward may keep for backward), which outputs to keep?
 # Keeping op *i* costs `nbytes[i]` and saves `cost[i]` of recomputation, independently of the
 # others (a recomputation runs every op it does not find cached): the 0/1 knapsack problem,
 #
 # maximise $\sum_{i \in S} \mathrm{cost}_i$ subject to $\mathrm{inputs} + \sum_{i \in S} \mathrm{nbytes}_i \le \mathrm{budget}$.
 #
 # `solve_greedy` keeps the best cost per byte first (fast, not always optimal); `solve_dp` is
-# exact, a dynamic program over bytes counted in units of the sizes' greatest common divisor (so
-# the table stays small). Its core, before the walk back that reads off the choice:
+# exact: a dynamic program over bytes, in units of the sizes' greatest common divisor to keep the
+# table small. Its core (the walk back that reads off the choice follows):
 
 # %%
 show_source(planner.solve_dp, start="best = np.zeros", stop="# Walk back")
@@ -402,11 +381,10 @@ print(f"DP optimal in {agree}/300; greedy below the optimum in {greedy_worse}/30
 #
 # One region per block keeps each block's input, as per-block checkpointing does; the planner
 # spends the rest of the budget across all blocks at once. Calling the `Plan` runs one
-# `selective_checkpoint` per block, with a policy that keeps the chosen ops *by position* and checks
-# that the block still runs the ops it was profiled with. Four transformer blocks, profiled once,
-# planned for five budgets from the minimum (plain checkpointing) to keeping every candidate; each
-# plan is run and measured (in the budget's terms: plus the first input, minus the output and the
-# 4-byte loss).
+# `selective_checkpoint` per block, keeping the chosen ops *by position* (and checking that the
+# block still runs the ops it was profiled with). Four transformer blocks, five budgets from the
+# minimum (plain checkpointing) to keeping every candidate; each plan is run and measured (in the
+# budget's terms: plus the first input, minus the output and the 4-byte loss).
 
 # %%
 torch.manual_seed(0)
@@ -421,29 +399,28 @@ OUTPUT_BYTES = run_stack(x).detach().nbytes
 stack_base = step_cost(lambda: run_stack(x))
 
 # %%
-plans = {}
-print("budget KiB | dp: kept     KiB  MFLOPs | greedy: kept     KiB  MFLOPs")
+plans, rows = {}, ["budget KiB | dp: kept     KiB  MFLOPs | greedy: kept     KiB  MFLOPs"]
 for fraction in (0.0, 0.1, 0.25, 0.5, 1.0):
     budget = int(minimum + fraction * (maximum - minimum))
-    print(f"{budget / 1024:>10.0f}", end="")
-    for method, width in (("dp", 8), ("greedy", 12)):
+    row = f"{budget / 1024:>10.0f}"
+    for method, w in (("dp", 8), ("greedy", 12)):
         p = plans[method, fraction] = solve(profiles, budget, method)
         measured = retained(lambda p=p: p(x)) + x.nbytes - OUTPUT_BYTES - 4
         cost = step_cost(lambda p=p: p(x)) - stack_base
         ok = same(grads_of(lambda p=p: p(x), stack_leaves), stack_expected)
         assert measured == p.retained_bytes <= budget and cost == p.recompute_cost and ok
-        kib, mflops = p.retained_bytes / 1024, p.recompute_cost / 1e6
-        print(f" | {len(p.saved_ops):>{width}} {kib:>7.1f} {mflops:>7.2f}", end="")
-    print()
+        row += f" | {len(p.saved_ops):>{w}} {p.retained_bytes / 1024:>7.1f} {p.recompute_cost / 1e6:>7.2f}"
+    rows.append(row)
+print(*rows, sep="\n")
 print("every plan: measured bytes and FLOPs == predicted, within budget, gradients == no checkpointing")
 extra = plans["greedy", 0.1].recompute_cost / plans["dp", 0.1].recompute_cost - 1
 print(f"at {plans['dp', 0.1].budget / 1024:.0f} KiB greedy recomputes {extra:.1%} more than the exact plan")
 
 # %% [markdown]
 # Measured equals predicted, to the byte and the FLOP; the first ~1.2 MiB above plain
-# checkpointing buy back almost all of the recomputation. **What each plan keeps**, candidate by
-# candidate: on top what keeping it saves, below its bytes, red where the plan keeps it; then what
-# one plan keeps that the other does not (block·op):
+# checkpointing buy back almost all of the recomputation. **What each plan keeps**: on top what
+# keeping a candidate saves, below its bytes, red where kept; then what one plan keeps that the
+# other does not (block·op):
 
 # %%
 cands = [(b, r) for b, p in enumerate(profiles) for r in p.candidates]
@@ -471,10 +448,10 @@ for p, q in (shown_plans[:2], shown_plans[1::-1]):  # what dp keeps that greedy 
 # %% [markdown]
 # Matmul outputs and the blocks' last layer norm (1 KiB, marked ▼) come first, as a rule of thumb
 # would guess, but chosen by bytes (appendix B plans by measured time). At 628 KiB greedy falls
-# short: three matmul outputs per block (32, 96 and 128 KiB) tie on FLOPs per byte; greedy takes
-# the smaller first and fills the room with 32 KiB outputs, the exact plan keeps block 0's 128 KiB
-# feed-forward `addmm` instead of four of them and recomputes 0.52 MFLOPs less. Does the plan run
-# under torch's checkpoint (`Plan.torch_context_fn`)?
+# short: three matmul outputs per block (32, 96 and 128 KiB) tie on FLOPs per byte; greedy fills
+# the room with four 32 KiB ones, the exact plan keeps block 0's 128 KiB feed-forward `addmm`
+# instead and recomputes 0.52 MFLOPs less. Does the plan run under torch's checkpoint
+# (`Plan.torch_context_fn`)?
 
 # %%
 quarter = plans["dp", 0.25]
@@ -487,9 +464,9 @@ print("torch checkpoint with the plan == no checkpointing:", same(torch_planned,
 
 # %% [markdown]
 # **What the model leaves out.** The budget bounds what is kept *between* forward and backward,
-# not the peak during backward. Checkmate (Jain et al., MLSys 2020) models every tensor's lifetime
-# as an integer linear program and bounds the true peak; our knapsack is its special case "one
-# recomputation per region". And the plan is made once, for fixed shapes; Dynamic Tensor
+# not the peak during backward. Checkmate (Jain et al., MLSys 2020) bounds the true peak with an
+# integer linear program over every tensor's lifetime; our knapsack is its special case "one
+# recomputation per region". Our plan is made once, for fixed shapes; Dynamic Tensor
 # Rematerialization (DTR; Kirisame et al., ICLR 2021) decides *online*, evicting the tensor with
 # the smallest `cost / (bytes × staleness)` (`solve_greedy` without staleness, applied once).
 #
@@ -534,6 +511,9 @@ for name, pts in points.items():
 #   chains of equal blocks (notebook 02).
 # * **The planner's top end** keeps more than "no checkpointing": every block stays a checkpoint
 #   (section 3.1).
+# * **Under `torch.compile`** the partitioner makes this trade by itself, across block boundaries:
+#   [notebook 08](08_compiler_checkpointing.ipynb) puts its `activation_memory_budget` points on
+#   this picture and hands this planner's plan to it.
 #
 # ## 6 · CPU offload
 #
@@ -578,30 +558,25 @@ save_figure(fig, "05_offload")
 def one_step(wrap, fix=False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 8)).train()
-    hooks = skip_stats_update_in_recompute(model) if fix else None
-    torch.manual_seed(1)
-    wrap(model, torch.randn(16, 32, requires_grad=True)).square().mean().backward()
-    _ = hooks and hooks.remove()
-    bn = model[1]
-    return bn.num_batches_tracked.item(), bn.running_mean.clone(), [p.grad for p in model.parameters()]
+    if fix:
+        skip_stats_update_in_recompute(model)
+    grads = grads_of(lambda: wrap(model, torch.randn(16, 32, requires_grad=True)), list(model.parameters()))
+    return model[1].num_batches_tracked.item(), model[1].running_mean.clone(), grads
 variants = {"no checkpointing": lambda m, w: m(w), "ckpt_lab.checkpoint": checkpoint,
             "ckpt_lab.reentrant_checkpoint": reentrant_checkpoint,
             "torch reentrant": lambda m, w: torch_checkpoint(m, w, use_reentrant=True),
             "torch non-reentrant": lambda m, w: torch_checkpoint(m, w, use_reentrant=False)}
-ref_count, ref_mean, ref_grads = one_step(variants["no checkpointing"])
+_, ref_mean, ref_grads = one_step(variants["no checkpointing"])
+steps = {name: (one_step(wrap), one_step(wrap, fix=True)) for name, wrap in variants.items()}
 print(f"{'':<30} batches mean / plain grads ok | fixed: batches mean ok grads ok")
-counts = {}  # num_batches_tracked after one step: (without the fix, with it)
-for name, wrap in variants.items():
-    count, mean, grads = one_step(wrap)
-    fixed_count, fixed_mean, fixed_grads = one_step(wrap, fix=True)
-    counts[name] = (count, fixed_count)
+for name, ((count, mean, grads), (fixed_count, fixed_mean, fixed_grads)) in steps.items():
     ratio = (mean / ref_mean).mean().item()  # the running mean starts at 0; each update: 0.1 of the gap
     print(f"{name:<30} {count:>7} {ratio:>12.2f} {same(grads, ref_grads)!s:>8} | "
           f"{fixed_count:>14} {torch.equal(fixed_mean, ref_mean)!s:>7} {same(fixed_grads, ref_grads)!s:>8}")
 fig, ax = plt.subplots(figsize=(6, 2.2))
-for k in range(2):
-    ax.barh([i + 0.4 * k - 0.2 for i in range(len(counts))], [c[k] for c in counts.values()], 0.4)
-ax.set(yticks=range(len(counts)), yticklabels=list(counts), ylim=(len(counts) - 0.5, -0.5), xticks=[0, 1, 2],
+for k in range(2):  # num_batches_tracked after one step, without the fix and with it
+    ax.barh([i + 0.4 * k - 0.2 for i in range(len(steps))], [s[k][0] for s in steps.values()], 0.4)
+ax.set(yticks=range(len(steps)), yticklabels=list(steps), ylim=(len(steps) - 0.5, -0.5), xticks=[0, 1, 2],
        xlabel="num_batches_tracked after one step: blue without the fix, orange with it")
 save_figure(fig, "05_batchnorm")
 
@@ -623,17 +598,18 @@ show_source(skip_stats_update_in_recompute, start="with _disable_current_modes",
 #
 # ## Summary
 #
-# | question | answer | where |
+# | topic | answer | § |
 # |---|---|---|
-# | Where are a block's bytes and FLOPs? | matmuls: 31% of candidate bytes, 98% of FLOPs | §1 |
-# | What runs when under SAC? | policy asked in forward; backward re-runs the block, serving kept outputs | §2.2 |
-# | What runs again anyway? | in-place, view, random ops; torch 2.13's SAC gets kept random ops wrong | §2.1, §2.3 |
-# | Ours and torch's SAC? | same bytes (416 KiB) and FLOPs; 3% of plain checkpointing's recompute | §3 |
-# | Where does SAC save nothing? | keeping everything (1282 > 994 KiB); a block of kept ops only | §3.1 |
-# | What to keep for a byte budget? | a 0/1 knapsack, exact DP (greedy 1.9% worse at 628 KiB); measured = predicted | §4 |
-# | Where does each strategy sit? | SAC on the frontier; √N off it for few large blocks | §5 |
-# | Offload's cost? | every saved byte out and back over PCIe, no FLOPs | §6 |
-# | BatchNorm? | two batches per step; `skip_stats_update_in_recompute` makes it one | §7 |
+# | bytes and FLOPs | matmuls: 31% of a block's candidate bytes, 98% of its FLOPs | 1 |
+# | what runs when | policy asked in forward; backward re-runs the block, serving kept outputs | 2.2 |
+# | runs again anyway | in-place, view, random ops (torch 2.13's SAC: kept random ops wrong) | 2.1, 2.3 |
+# | kept output changed in place; second backward | ours: one op more; torch's errors with `strict=True` | app. C |
+# | ours and torch's SAC | same 416 KiB and FLOPs: 3% of a plain checkpoint's recompute | 3 |
+# | SAC saves nothing | keeping everything (1282 > 994 KiB); a block of kept ops only | 3.1 |
+# | byte budget | 0/1 knapsack, exact DP (greedy 1.9% worse at 628 KiB); measured = predicted | 4 |
+# | the frontier | SAC on it; √N off it for few large blocks | 5 |
+# | offload | every saved byte out and back over PCIe, no FLOPs | 6 |
+# | BatchNorm | two batches per step; `skip_stats_update_in_recompute` makes it one | 7 |
 #
 # ---
 #
@@ -641,24 +617,20 @@ show_source(skip_stats_update_in_recompute, start="with _disable_current_modes",
 #
 # ### A · Refusals
 #
-# An overload family as a policy, a function that runs other ops when recomputed, a budget below
-# the minimum, and a plan used for another computation are each refused, with the reason:
+# Each refused, with its reason: an overload family as a policy, a function that runs other ops
+# when recomputed, a budget below the minimum, a plan used for another computation:
 
 # %%
 calls = itertools.count()
-def moody(v):
-    return v.sin().exp() if next(calls) == 0 else v.cos().exp()
+moody = lambda v: v.sin().exp() if next(calls) == 0 else v.cos().exp()  # other ops when recomputed
 blocks[2].eval()  # dropout off in one block: its ops change, and the quarter plan no longer fits
-for attempt in (
-    lambda: selective_checkpoint(block, x, policy=[torch.ops.aten.mm]),
-    lambda: selective_checkpoint(moody, v, policy=[torch.ops.aten.sin.default]).sum().backward(),
-    lambda: plan_sequential(blocks, x, budget=minimum - 1),
-    lambda: quarter(x),
-):
+for attempt in (lambda: selective_checkpoint(block, x, policy=[torch.ops.aten.mm]),
+                lambda: selective_checkpoint(moody, v, policy=[torch.ops.aten.sin.default]).sum().backward(),
+                lambda: plan_sequential(blocks, x, budget=minimum - 1), lambda: quarter(x)):
     try:
         attempt()
     except (TypeError, ValueError, CheckpointError) as error:
-        print(f"{type(error).__name__}: {error}\n")
+        print(f"{type(error).__name__}: {error}")
 _ = blocks[2].train()
 
 # %% [markdown]
@@ -671,3 +643,34 @@ _ = blocks[2].train()
 timed = plan_sequential(blocks, x, budget=quarter.budget, cost="time")
 print("kept, by time:", timed.saved_ops, "| within budget:", timed.retained_bytes <= quarter.budget)
 print(f"predicted recomputation: {timed.recompute_cost * 1e3:.2f} ms per step")
+
+
+# %% [markdown]
+# ### C · `strict=True`: torch's errors where ours recomputes
+#
+# A kept output changed in place later in the forward, and a second backward (`retain_graph=True`):
+# torch's SAC raises in both; ours runs the op again, or raises torch's error with `strict=True`:
+
+# %%
+keep_sin = {"policy": [torch.ops.aten.sin.default]}
+def sin_ops_and_grad(fn, n, **sac):  # n backward passes through one forward: sin ops run, v's gradient
+    v.grad, loss = None, (selective_checkpoint(fn, v, **sac) if sac else fn(v)).sum()
+    with OpCounter() as ops:
+        for _ in range(n):
+            loss.backward(retain_graph=True)
+    return ops.counts["sin"], v.grad.clone()
+for case, fn, n in (("changed in place", lambda v: v.sin().mul_(2).cos().exp(), 1),
+                    ("second backward", lambda v: v.sin().cos().exp(), 2)):
+    (plain_ops, plain), (ops, grad) = sin_ops_and_grad(fn, n), sin_ops_and_grad(fn, n, **keep_sin)
+    print(f"{case}, strict=False: gradient == no checkpointing: {torch.equal(grad, plain)},",
+          f"sin ops {ops} vs {plain_ops}")
+    try:
+        sin_ops_and_grad(fn, n, **keep_sin, strict=True)
+    except RuntimeError as error:
+        print(f"{case}, strict=True: RuntimeError: {str(error).split(' (')[0].split('. ')[0]}")
+
+# %% [markdown]
+# The default gets no checkpointing's gradients for one `sin` more (the backward of `cos` runs one
+# anyway). We keep it: a right gradient for one op's FLOPs beats an error mid-training, and torch's
+# way out (`allow_cache_entry_mutation=True`) serves the changed tensor. `strict=True` flags a
+# policy that keeps an output the forward then overwrites.
