@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckpt_lab._aten import _OP_INFO, OpInfo, op_info, storage_of
 from ckpt_lab.nonreentrant import CheckpointError
-from ckpt_lab.rng import AutocastState, ReplayState, RNGState, device_initialised
+from ckpt_lab.rng import AutocastState, ReplayState, RNGState, device_initialised, fork_rng
 
 __all__ = ["gradient_checkpoint_scope"]
 
@@ -199,6 +199,14 @@ def _inside_a_checkpoint() -> bool:
 #     of the cached OpInfo (info.writes, info.random); random ops alone pay for a generator state.
 # (h) Reading a tensor the tape knows costs one dict lookup and a weakref call, nothing more: a
 #     swapped storage (``p.data = ...``) is looked for only before an op writes to it in place.
+# (i) Per scope rather than per op, for a chain of small scoped blocks: a replay enters no autocast
+#     context when autocast is off already, and a leaf saved in the scope (a parameter) is stored
+#     without a detach op (which would run through the recording mode).
+# (j) torch wraps a dispatch mode's __torch_dispatch__ in torch._dynamo.disable (so that Dynamo
+#     never traces it), a Python wrapper that swaps the frame-evaluation callback four times per
+#     call: a tenth of the scope's time on a chain of pointwise ops. Instead the mode's code object
+#     is marked once for Dynamo to skip, with every frame it calls (_skip_dynamo): the same
+#     protection, paid in C.
 _NO_KWARGS: dict = {}
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
@@ -224,6 +232,13 @@ class _RecordingMode(TorchDispatchMode):
     def __init__(self, recording: _Recording) -> None:
         super().__init__()
         self.recording = recording
+        if not _dynamo_skips:
+            _skip_dynamo(_RecordingMode.__torch_dispatch__.__code__)
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # No torch._dynamo.disable wrapper: see NOTE [ Speed ] (j).
+        return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or _NO_KWARGS  # See NOTE [ Speed ] (e).
@@ -267,6 +282,22 @@ class _RecordingMode(TorchDispatchMode):
                 )
             root.source = _Snapshot(source.tensor)
         return slot
+
+
+_dynamo_skips: list[Any] = []
+
+
+def _skip_dynamo(code: types.CodeType) -> None:
+    """Tell Dynamo to skip ``code``'s frames and every frame they call (what torch._dynamo.disable's
+    wrapper does per call, here marked once on the code object). See NOTE [ Speed ] (j)."""
+    _dynamo_skips.append(code)
+    try:
+        # Imported on first use, as the wrapper would (importing Dynamo takes a while).
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except (ImportError, AttributeError):
+        return  # a torch without Dynamo: nothing would trace the mode anyway
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 class _Recording:
@@ -441,6 +472,7 @@ class _Recording:
         storages, self.storages = self.storages, {}
         replayer = self.replayer
         replayer.state = _with_accelerator_initialised_inside(replayer.state, self.uninitialised)
+        replayer.closed = True
         # Safety net for schemas that lie: an output we took for new memory but that shares an outside
         # tensor's storage is stored, not recomputed (that tensor may change it, unseen).
         borrowed = {id(storage_of(s.source.tensor)) for s in self.slots if type(s.source) is _Borrowed}
@@ -538,10 +570,19 @@ class _Nested(tuple):
 # Tensors from outside the scope that a replay reads (inputs, parameters) are kept by strong
 # reference until every reference autograd holds and every scope tensor is gone: an input nothing
 # else keeps (``a`` in ``a + b``, which add does not save) lives until backward. That includes
-# tensors made by an earlier scope and read by a later one. A _ScopeTensorRef instead would make the
-# later replay start with the earlier scope's, which would hold all of *its* recomputed tensors
-# while backward goes through the later one, and so on down a chain of scoped layers: peak memory as
-# without any checkpointing. Kept, they are the layer boundaries a checkpoint stores too.
+# tensors made by an earlier scope and read by a later one, until the later scope's first replay.
+# A _ScopeTensorRef from the start would make the later replay start with the earlier scope's,
+# which would hold all of *its* recomputed tensors while backward goes through the later one, and
+# so on down a chain of scoped layers: peak memory as without any checkpointing. Kept, they are the
+# layer boundaries a checkpoint stores too.
+# Once the later scope has replayed (its with block closed), such an input is needed only by a
+# second backward (retain_graph), so it is let go (_Recomputed): the earlier scope recomputes it
+# anyway, for the references autograd holds to it. Kept, it was alive beside the loss's (or the
+# next block's) backward temporaries at the later replay: one block boundary more at the peak of a
+# scoped MLP or transformer stack (RETURNN's scope drops it too: it replays only once). For a second
+# backward, the earlier scope's next replay offers its copy back (_Recomputed.offer), kept if a
+# reference of the later scope is still alive then (the graph is retained); otherwise a second
+# replay of the later scope asks the earlier one for it, and the replays would cascade down a chain.
 class _Borrowed:
     """A tensor from outside the scope that the replay reads: kept by reference, checked by version."""
 
@@ -561,6 +602,50 @@ class _Borrowed:
                 "the new values and give wrong gradients. Modify it out of place, or after backward."
             )
         return self.tensor
+
+
+class _Recomputed:
+    """An earlier scope's tensor that a replay read as an input (a _Borrowed until then), let go
+    after that replay: see NOTE [ Inputs are kept, not recomputed ]."""
+
+    __slots__ = ("__weakref__", "kept", "reader", "ref", "wanted")
+
+    def __init__(self, ref: _ScopeTensorRef, reader: _Replayer) -> None:
+        self.ref = ref  # into the earlier scope; not wanted by its replays until needed here
+        self.reader = weakref.ref(reader)  # the replayer of the scope that reads it
+        self.kept: torch.Tensor | None = None
+        self.wanted = False
+        # The earlier scope offers us what its next replay recomputes (``offer``).
+        with ref.replayer.lock:
+            ref.replayer.offers.append(weakref.ref(self))
+
+    def offer(self, values: dict[int, torch.Tensor]) -> bool:
+        """The earlier scope replayed, with ``values`` by root: keep ours if the reading scope may
+        replay again (a reference of its is alive after this backward served it: retain_graph).
+        Returns whether the offer is still open."""
+        reader = self.reader()
+        if reader is None or self.kept is not None:
+            return False
+        value = values.get(self.ref.root)
+        if value is None or not any(r() is not None for r in reader.refs):
+            return True
+        geometry = self.ref.geometry
+        self.kept = value if geometry is None else _restrided(value, geometry)
+        return False
+
+    def materialize(self) -> torch.Tensor:
+        if self.kept is not None:
+            return self.kept
+        ref = self.ref
+        if not self.wanted:
+            # Wanted from now on: that scope's replays keep it until served here.
+            self.wanted = True
+            replayer = ref.replayer
+            with replayer.lock:
+                replayer.refs.append(weakref.ref(ref))
+                if ref.root in replayer.values:
+                    replayer.pending[ref.root] += 1
+        return ref.unpack()
 
 
 class _Alias:
@@ -779,16 +864,7 @@ class _PackHook:
     def __call__(self, tensor: torch.Tensor) -> Any:
         _thread.in_hook += 1
         try:
-            # See NOTE [ What "born in the scope" means ].
-            owner = _MEMBERS.get(id(tensor))
-            if owner is None:
-                # A view autograd made of a scope tensor (after the scope, say); id(None) is never a key.
-                owner = _MEMBERS.get(id(tensor._base))
-            made = owner() if owner is not None else None
-            # A leaf that requires grad is the user's state (made in a scope still open).
-            ref = None
-            if made is not None and not (made.requires_grad and made.is_leaf):
-                ref = owner.recording.replayer.ref_for(tensor, owner.root, owner.counter)
+            ref = _scope_ref(tensor)
             if ref is not None:
                 return ref
             if self.below is None:
@@ -797,6 +873,22 @@ class _PackHook:
             return _Delegated(unpack, pack(tensor))
         finally:
             _thread.in_hook -= 1
+
+
+def _scope_ref(tensor: torch.Tensor, register: bool = True) -> _ScopeTensorRef | None:
+    """What autograd stores for ``tensor`` if it is a scope tensor (else None): a reference to the
+    recording that made it. ``register=False``: one its replays do not count as wanted (see
+    NOTE [ Inputs are kept, not recomputed ])."""
+    # See NOTE [ What "born in the scope" means ].
+    owner = _MEMBERS.get(id(tensor))
+    if owner is None:
+        # A view autograd made of a scope tensor (after the scope, say); id(None) is never a key.
+        owner = _MEMBERS.get(id(tensor._base))
+    made = owner() if owner is not None else None
+    # A leaf that requires grad is the user's state (made in a scope still open).
+    if made is None or (made.requires_grad and made.is_leaf):
+        return None
+    return owner.recording.replayer.ref_for(tensor, owner.root, owner.counter, register)
 
 
 def _unpack(packed: _ScopeTensorRef | _Stored | _Delegated) -> torch.Tensor:
@@ -837,8 +929,9 @@ class _Stored:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         # Detached: a saved *output* returned as is references its own grad_fn, a cycle through
-        # C++ that not even the garbage collector frees (the output's memory would leak).
-        self.tensor = tensor.detach()
+        # C++ that not even the garbage collector frees (the output's memory would leak). A leaf
+        # (a parameter) has no grad_fn: stored as is, it costs no detach op (NOTE [ Speed ] (i)).
+        self.tensor = tensor if tensor.grad_fn is None else tensor.detach()
         # Autograd skips its version check for tensors that went through hooks; we redo it.
         self.version = tensor._version
 
@@ -933,10 +1026,17 @@ class _Replayer:
         self.pending: Counter[int] = Counter()
         self.round = 0
         self.cached_plan: _Plan | None = None
+        # The scope's with block has ended: no op will be recorded any more (an input's source may change).
+        self.closed = False
+        # Later scopes that read one of our tensors and let it go (_Recomputed), weakly.
+        self.offers: list[weakref.ref[_Recomputed]] = []
 
-    def ref_for(self, tensor: torch.Tensor, root: int, counter: int) -> _ScopeTensorRef | None:
+    def ref_for(
+        self, tensor: torch.Tensor, root: int, counter: int, register: bool = True
+    ) -> _ScopeTensorRef | None:
         """What autograd stores for a tensor living in ``root``'s storage and sharing ``counter``'s
-        version counter; None: store it normally."""
+        version counter; None: store it normally. Not ``register``ed: not wanted by a replay until
+        ``serve`` is asked for it."""
         version = tensor._version
         # Limitation: a replay could not reproduce it. Modified in place by an op we did not record
         # (after the scope), or a conjugate or negative view (a lazy bit that _restrided would drop).
@@ -945,7 +1045,8 @@ class _Replayer:
         geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
         own = geometry == self.slots[root].meta[:4]
         ref = _ScopeTensorRef(self, root, counter, version, None if own else geometry)
-        self.refs.append(weakref.ref(ref))
+        if register:
+            self.refs.append(weakref.ref(ref))
         return ref
 
     def serve(self, ref: _ScopeTensorRef) -> torch.Tensor:
@@ -1042,12 +1143,19 @@ class _Replayer:
         with (
             torch._C._AutoDispatchBelowAutograd(),
             torch.set_grad_enabled(grad),
-            self.state.replay(),
+            _replay_state(self.state),
             _forked(self.drawn.values()) if self.drawn else _NOTHING,
         ):
             # Inputs first: if one was modified in place since, fail before running anything.
             for slot in plan.inputs:
-                values[slot] = slots[slot].source.materialize()
+                source = slots[slot].source
+                values[slot] = value = source.materialize()
+                if type(source) is _Borrowed and self.closed:
+                    # An earlier scope's tensor: from now on, that scope recomputes it. See NOTE
+                    # [ Inputs are kept, not recomputed ].
+                    ref = _scope_ref(value, register=False)
+                    if ref is not None:
+                        slots[slot].source = _Recomputed(ref, self)
             for n, i in enumerate(plan.run):
                 op = ops[i]
                 if op.grad is not grad:
@@ -1063,6 +1171,8 @@ class _Replayer:
                     values[slot] = None
         self.values = {root: values[root] for root in wanted}
         self.pending = wanted
+        if self.offers:
+            self.offers = [o for o in self.offers if (offer := o()) is not None and offer.offer(self.values)]
         self.round += 1
 
     def _run(self, op: _Op, values: list[Any]) -> None:
@@ -1120,6 +1230,24 @@ def _replay_mismatch(op: _Op, got: str, recorded: str) -> CheckpointError:
 # a fork, so the caller's stream goes on untouched. An accelerator first initialised inside the scope
 # is replayed from its freshly seeded state. Each random op then sets its own generator's state
 # (explicit torch.Generator arguments included): see NOTE [ Random ops ].
+def _replay_state(state: ReplayState) -> Any:
+    """``state.replay()``, without entering autocast contexts when autocast is off already (NOTE
+    [ Speed ] (i))."""
+    if any(torch.is_autocast_enabled(device_type) for device_type, _, _ in state.autocast.settings):
+        return state.replay()
+    if state.rng is None:
+        return _NOTHING
+    return _rng_replayed(state.rng)
+
+
+@contextlib.contextmanager
+def _rng_replayed(rng: RNGState) -> Iterator[None]:
+    # What ReplayState.replay does for the RNG: the forward's state inside a fork.
+    with fork_rng(d for d, _ in rng.devices):
+        rng.restore()
+        yield
+
+
 def _capture_replay_state(preserve_rng_state: bool) -> tuple[ReplayState, str | None]:
     """RNG of the CPU and of every device of an initialised accelerator; autocast *off*.
 

@@ -102,6 +102,20 @@ def test_memory_targets_of_the_reimplementations(quick_run):
     assert all(c["ok"] for c in asserted), asserted
 
 
+def test_the_scope_is_checked_against_its_peers_on_every_workload(quick_run):
+    # Reported, not asserted (the peak is a MISS by the last block's interior; times are noisy):
+    # a peak line and a paired time line for each workload; retained bytes are asserted.
+    _, report, _ = quick_run
+    scope_checks = [c for c in report["targets"] if c["target"].startswith("ckpt-scope")]
+    workloads = {r["workload"] for r in report["results"]}
+    for what in ("peak_bytes <= torch-nonreentrant", "time <= 1.10x torch-nonreentrant"):
+        assert {c["workload"] for c in scope_checks if what in c["target"]} == workloads, what
+    retained = [c for c in scope_checks if "retained_bytes" in c["target"]]
+    assert len(retained) == len(workloads) and all(c["ok"] for c in retained), retained
+    for r in report["results"]:
+        assert r["time_vs_torch_nonreentrant"] > 0, r
+
+
 def test_every_plan_stays_within_its_budget(quick_run):
     _, report, _ = quick_run
     checks = {

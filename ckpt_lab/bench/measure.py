@@ -95,6 +95,8 @@ class Result:
     seconds: float = 0.0
     time_vs_none: float = 1.0
     time_vs_reference: float | None = None
+    # Median of the per-round ratios to torch's non-reentrant checkpoint, timed in the same rounds.
+    time_vs_torch_nonreentrant: float | None = None
     # Planner strategies: the budget, in bytes, that the plan was made for.
     budget_bytes: int | None = None
     # ``retained_bytes`` on the planner's terms, comparable with ``budget_bytes``: the activations kept
@@ -199,12 +201,23 @@ def measure(
         res.time_vs_none = statistics.median(t[s.name] / t["none"] for t in per_round)
         if s.reference in per_round[0]:
             res.time_vs_reference = statistics.median(t[s.name] / t[s.reference] for t in per_round)
+        if "torch-nonreentrant" in per_round[0]:
+            res.time_vs_torch_nonreentrant = statistics.median(
+                t[s.name] / t["torch-nonreentrant"] for t in per_round
+            )
 
     return list(results.values())
 
 
 def _merge_isolated(results: list[Result], child: list[Result]) -> list[Result]:
-    """Add the isolated strategies' results; relate times through each process's own "none"."""
+    """Add the isolated strategies' results; relate times through each process's own "none".
+
+    Paired per round there, so robust to the load of a shared machine; but RETURNN's scope leaves
+    its pack hook on the stack after a step, which slows every later step of "none" in its process
+    (pointwise-32: 12.2 vs 4.0 ms), so its ratio comes out low where per-op overhead dominates.
+    Its ``seconds`` stay comparable with ours in absolute terms (not paired: one process after
+    the other).
+    """
     merged = list(results)
     for res in child:
         if res.strategy == "none":
@@ -241,30 +254,7 @@ def check_targets(results: list[Result]) -> list[dict[str, Any]]:
                     f"{r.time_vs_reference:.2f}x",
                 )
         if name == "ckpt-scope":
-            torch_nr = by.get((workload, "torch-nonreentrant"))
-            if torch_nr:
-                for metric in ("retained_bytes", "peak_bytes"):
-                    ours, theirs = getattr(r, metric), getattr(torch_nr, metric)
-                    add(
-                        workload,
-                        f"ckpt-scope {metric} <= torch-nonreentrant",
-                        ours <= theirs,
-                        f"{ours:,} vs {theirs:,}",
-                    )
-            if ref and r.time_vs_reference is not None:
-                add(
-                    workload,
-                    "ckpt-scope time <= returnn-scope",
-                    r.time_vs_reference <= 1.0,
-                    f"{r.time_vs_reference:.2f}x",
-                )
-            if r.family == "pointwise":
-                add(
-                    workload,
-                    "ckpt-scope time <= 3x none (pointwise chain)",
-                    r.time_vs_none <= 3.0,
-                    f"{r.time_vs_none:.2f}x",
-                )
+            _scope_targets(r, by, add)
         if r.budget_bytes is not None and r.activation_bytes is not None:
             add(
                 workload,
@@ -282,6 +272,36 @@ def check_targets(results: list[Result]) -> list[dict[str, Any]]:
         if not r.state_ok:
             add(workload, f"{name} leaves no global state", False, r.state_error)
     return checks
+
+
+# The scope against its peers: never the fat option nor the slow one.
+SCOPE_TIME_VS_TORCH = 1.10
+
+
+def _scope_targets(r: Result, by: dict[tuple[str, str], Result], add: Callable[..., None]) -> None:
+    """Peak at most the lower of torch's non-reentrant checkpoint and RETURNN's scope; time at most
+    1.10x torch's non-reentrant checkpoint (median of per-round ratios) and at most RETURNN's."""
+    peers = [p for p in (by.get((r.workload, n)) for n in ("torch-nonreentrant", "returnn-scope")) if p]
+    torch_nr = by.get((r.workload, "torch-nonreentrant"))
+    if torch_nr:
+        ours, theirs = r.retained_bytes, torch_nr.retained_bytes
+        what = "ckpt-scope retained_bytes <= torch-nonreentrant"
+        add(r.workload, what, ours <= theirs, f"{ours:,} vs {theirs:,}")
+    if peers:
+        lowest = min(p.peak_bytes for p in peers)
+        figure = f"{r.peak_bytes:,} vs " + ", ".join(f"{p.strategy} {p.peak_bytes:,}" for p in peers)
+        names = " and ".join(p.strategy for p in peers)
+        add(r.workload, f"ckpt-scope peak_bytes <= {names}", r.peak_bytes <= lowest, figure)
+    if r.time_vs_torch_nonreentrant is not None:
+        add(
+            r.workload,
+            f"ckpt-scope time <= {SCOPE_TIME_VS_TORCH:.2f}x torch-nonreentrant (per-round ratio)",
+            r.time_vs_torch_nonreentrant <= SCOPE_TIME_VS_TORCH,
+            f"{r.time_vs_torch_nonreentrant:.2f}x",
+        )
+    if r.time_vs_reference is not None:
+        ratio = r.time_vs_reference
+        add(r.workload, "ckpt-scope time <= returnn-scope", ratio <= 1.0, f"{ratio:.2f}x")
 
 
 def run(

@@ -29,7 +29,7 @@
 # * `x * c` runs *after* the `with` block, so the pack hook must outlive it, on a stack where every
 #   `__exit__` pops whatever is on top: `ckpt_lab` rebuilds the stack, without patching torch (§3).
 # * On four MLP blocks, a scope per block keeps one block boundary *less* than a checkpoint per
-#   block but peaks two *higher*: a scope replays all its saved tensors at the first unpack, which comes
+#   block but peaks one *higher*: a scope replays all its saved tensors at the first unpack, which comes
 #   from the block's consumer, before the block's own backward: they overlap the consumer's backward
 #   temporaries (§5).
 #
@@ -497,10 +497,11 @@ plt.close(fig)
 # 1. **Forward**, each block in its scope. Scope k+1 keeps `h_k` as an outside input; what block
 #    k+1 and `square` save of `h_k` is a reference into scope k, so `h4` is freed in the forward.
 # 2. **The loss's backward** unpacks `h4`. Scope 4 replays **at once all that backward still wants
-#    of it**: `h4'`, GELU's input (`addmm`), the dropout mask (`empty_like`), while the loss's
-#    backward temporaries (`div`, `pow`, `mul`, `mul`) are alive: **the peak**, 10 boundaries.
-# 3. **Block 4's backward** uses them; scope 4's recording dies and frees `h3`. Block 4's first
-#    Linear unpacks `h3`: scope 3 replays. And so on down to block 1.
+#    of it**: `h4'`, GELU's input (`addmm`), the dropout mask (`empty_like`). The replay read `h3`
+#    and then lets it go: from now on scope 3 recomputes it. The loss's backward temporaries
+#    (`div`, `pow`, `mul`, `mul`) come on top: **the peak**, 9 boundaries (`h3` not among them).
+# 3. **Block 4's backward** uses them. Block 4's first Linear unpacks `h3`: scope 3 replays. And so
+#    on down to block 1.
 #
 # The checkpoint keeps `h4` and re-runs block k when block k's own backward unpacks, after the
 # consumer's temporaries are gone: its peak, 8, is `h1`–`h4` and the loss's 4 temporaries.
@@ -508,9 +509,9 @@ plt.close(fig)
 # **Why the scope peaks higher:** *a scope replays all its saved tensors at the first unpack, which
 # comes from the block's consumer (the loss here, the next block in a stack), before the block's own
 # backward: they overlap the consumer's backward temporaries.* Here +3 boundaries (`h4'`, GELU's
-# input, the mask) against the one (`h4`) the scope did not keep: +2. It is **not** two copies of
-# one tensor: every block output is freed before its copy is born (0 such events). A residual stack
-# (one boundary higher, the same cause) is in 04b (M.2).
+# input, the mask) against the two (`h4`, and `h3` once replayed) the scope does not hold: +1. It
+# is **not** two copies of one tensor: every block output is freed before its copy is born (0 such
+# events). A residual stack (the same cause) is in 04b (M.2).
 
 # %% [markdown]
 # ## 6. On a GPU
@@ -598,7 +599,7 @@ print("after del y:   hook on the stack:", top_hooks() is not None,
 # | Dropout? | a replay in a fork, each random op from the generator state recorded before it: same masks | §4, `images/04_rng_replay.png` |
 # | Where does it end? | a write through `.data` after the scope is not seen; aliases made after it are stored; a live scope tensor keeps the hook | §7: `c.grad` ×0.333; 4 vs 4,004 bytes |
 # | What does a chain of scoped blocks keep? | one block boundary less than a checkpoint per block | §5: 3 vs 4 boundaries |
-# | Why is its peak higher? | a scope replays all its saved tensors at the first unpack, which comes from the block's consumer, before the block's own backward: they overlap the consumer's backward temporaries (not two copies of one tensor) | §5: 10 vs 8 boundaries, `images/04_chain_timeline.png`; 04b M.2 |
+# | Why is its peak higher? | a scope replays all its saved tensors at the first unpack, which comes from the block's consumer, before the block's own backward: they overlap the consumer's backward temporaries (not two copies of one tensor) | §5: 9 vs 8 boundaries, `images/04_chain_timeline.png`; 04b M.2 |
 # | GPU? | RNG per initialised device; release deferred off the device thread | §6; 04b M.3 |
 #
 # **Next (optional):** [04b](04b_scope_appendix_returnn.ipynb): more measurements, and the edge cases
