@@ -353,7 +353,7 @@ def test_hooks_it_does_not_know_are_an_unknown_region() -> None:
     assert all(r.where.startswith("unknown region: made inside saved_tensors_hooks") for r in report.saved)
 
 
-def test_a_checkpoint_around_the_last_stage_saves_nothing_when_the_loss_keeps_its_output() -> None:
+def test_a_checkpoint_around_the_last_stage_does_not_lower_the_peak_when_the_loss_keeps_its_output() -> None:
     blocks, target = _blocks(3), torch.randn(4, 16)
 
     def f(x):
@@ -363,7 +363,9 @@ def test_a_checkpoint_around_the_last_stage_saves_nothing_when_the_loss_keeps_it
     report = explain(f, torch.randn(4, 16, requires_grad=True), loss_fn=lambda out: F.mse_loss(out, target))
     (region,) = report.regions
     assert region.kept_bytes == 0 and region.wraps_output
-    assert region.verdict.startswith("saves nothing: it wraps the last stage, whose outputs the loss keeps")
+    assert region.verdict.startswith(
+        "does not lower the peak: it wraps the last stage, whose outputs the loss keeps; backward re-runs it"
+    )
 
 
 def test_a_hook_inside_a_checkpoint_shows_as_what_the_checkpoint_keeps() -> None:

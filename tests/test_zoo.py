@@ -36,7 +36,7 @@ def test_whole_function_and_last_stage_leave_the_peak_where_it_was() -> None:
     assert whole.retained_bytes < last.retained_bytes < plain.retained_bytes
     for report in (whole, last):
         (region,) = report.regions
-        assert region.verdict.startswith("saves nothing: it wraps the last stage")
+        assert region.verdict.startswith("does not lower the peak: it wraps the last stage")
     assert fixed.peak_bytes == 139_268
     assert all(r.verdict.startswith("keeps only its inputs") for r in fixed.regions)
     assert_no_global_state()

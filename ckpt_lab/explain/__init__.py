@@ -894,19 +894,21 @@ def _region_reports(births: dict[int, _Birth], alive: set[int], output_serials: 
 # NOTE [ Verdicts ]
 # One sentence per region from what was measured: what it made and still holds of its own (kept),
 # what it hands on (outputs: read after it), what backward allocated to re-run it, and whether it
-# made the function's output (the last stage). "Saves nothing" is said only where the numbers show
-# it: the region keeps nothing of its own, its output is kept by the loss anyway, and being last it
-# is re-run first in backward, while everything else the forward kept is still alive.
+# made the function's output (the last stage). "Does not lower the peak" is said only where the numbers
+# show it: the region keeps nothing of its own, its output is kept by the loss anyway, and being last it
+# is re-run first in backward, while everything else the forward kept is still alive. "Allocates" is a
+# running total over the re-run (bytes born), not bytes alive at once.
 def _verdict(region: _Region, kept: list[_Birth], output_bytes: int, recomputed: int, last: bool,
              output_kept: bool) -> str:
     kept_bytes = sum(b.bytes for b in kept)
-    redo = f"re-running it allocates {_size(recomputed)} in backward" if recomputed else ""
+    redo = f"re-running it allocates {_size(recomputed)} in total in backward" if recomputed else ""
     if region.kind in ("hooks", "function"):
         copies = sum(b.bytes for b in kept if b.via is region)
         made_copies = f", {_size(copies)} of it copies its pack hook made" if copies else ""
         return f"holds {_size(kept_bytes + output_bytes)} made inside it{made_copies}"
     if last and kept_bytes == 0 and output_kept:
-        parts = ["saves nothing: it wraps the last stage, whose outputs the loss keeps", redo]
+        parts = ["does not lower the peak: it wraps the last stage, whose outputs the loss keeps; backward "
+                 "re-runs it first, while the rest of the forward is alive", redo]
     elif region.selective:
         parts = [f"keeps {_size(kept_bytes)} its policy chose{_mostly(kept)} and recomputes the rest", redo]
     elif kept_bytes == 0:

@@ -293,7 +293,9 @@ def autocast_step(name: str | None) -> list[torch.Tensor] | str:
             out = first(x).sum() + run(x).float().sum()
         out.backward()
     except RuntimeError as error:
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:110]}"
+        # The first sentence only: the message goes on for lines.
+        first_sentence = str(error).splitlines()[0].split(". ")[0].rstrip(".")
+        return f"{type(error).__name__}: {first_sentence}."
     return [p.grad.clone() for p in params]
 
 

@@ -21,11 +21,11 @@
 #
 # | # | symptom | cause | fix |
 # |---|---|---|---|
-# | [1](#c1) | peak unchanged | the whole function, or only its last stage, is checkpointed | one checkpoint per block, the last block plain |
+# | [1](#c1) | peak unchanged | the whole function, or only its last block, is checkpointed | one checkpoint per block, the last block plain |
 # | [2](#c2) | kept bytes unchanged | the caller keeps what the checkpoint should free: its input, logged activations | checkpoint more than one op; log floats, not tensors |
 # | [3](#c3) | nothing to drop, or no gradient | under `torch.no_grad()`; a reentrant checkpoint whose inputs need no grad | nothing to do in eval; use the non-reentrant checkpoint |
 # | [4](#c4) | (memory fine) BatchNorm counts 2 batches per step | the recomputation updates the running statistics again | `skip_stats_update_in_recompute(model)` |
-# | [5](#c5) | an error, or gradients off by rounding | autocast's weight-cast cache differs between forward and recomputation | ours handles it; with torch's SAC, don't save `_to_copy` |
+# | [5](#c5) | an error, or gradients off by rounding | autocast's weight-cast cache differs between forward and recomputation | ours handles it; with torch's selective checkpointing (SAC), don't save the casts |
 # | [6](#c6) | kept bytes differ from block to block | a selective policy with a counter shared by all calls | a fresh counter per checkpointed call |
 # | [7](#c7) | DDP: "marked ready twice" | the reentrant checkpoint | the non-reentrant one, or `static_graph=True` (notebook 06) |
 # | [8](#c8) | `CheckpointError`, or silently wrong gradients | the recomputation takes another branch (Python's `random`) | draw the choice outside the checkpoint, pass it in |
@@ -75,7 +75,7 @@ def max_diff(a, b):
 
 # %% [markdown]
 # <a id="c1"></a>
-# ## 1. The whole function, or only its last stage
+# ## 1. The whole function, or only its last block
 #
 # Four blocks (Linear 64→256, GELU, Linear 256→64; a batch of 32), an MSE loss. The checkpoint
 # (`ckpt_lab.checkpoint`) goes around all four blocks, around the last one only, or around each
@@ -106,8 +106,9 @@ print("last: ", verdicts(last))
 # Backward starts at the loss, so the checkpoint that made the output is re-run **first**. Around
 # the whole function, that re-run rebuilds every activation at once: the peak of the plain step
 # again. Around the last block only, the re-run happens while the other three blocks' activations
-# are still alive, and the last block's own output is kept by the loss anyway ("saves nothing").
-# The fix: one checkpoint per block, the last block left plain:
+# are still alive, and the last block's own output is kept by the loss anyway. Hence the verdict
+# "does not lower the peak" (its *last stage*: the checkpoint that made the function's output),
+# though kept bytes fell. The fix: one checkpoint per block, the last block left plain:
 
 # %%
 print("each block but the last:", verdicts(fixed), sep="\n")
@@ -252,8 +253,9 @@ for name in zoo.CHECKPOINTS:
 
 # %% [markdown]
 # The gradients match to the bit (training mode normalises with the batch's own statistics), so a
-# test that compares gradients passes; the model just evaluates worse later. `explain` shows the
-# re-run that does it:
+# test that compares gradients passes; the model just evaluates worse later. `explain` does not
+# name BatchNorm; its verdict shows only that backward re-runs the block ("re-running it
+# allocates"). The second count in `num_batches_tracked` above is that re-run:
 
 # %%
 print(verdicts(step(zoo.batchnorm_checkpointed)))
@@ -293,10 +295,11 @@ for name, result in autocast_results.items():
 
 # %%
 first_weight = reference[0]
+spacing = torch.finfo(torch.bfloat16).eps  # 2⁻⁷, the gap between 1 and the next bfloat16
 for name in ["torch, use_reentrant=True", "ckpt_lab.reentrant_checkpoint"]:
     off = (autocast_results[name][0] - first_weight).abs().max().item()
     relative = off / first_weight.abs().max().item()
-    print(f"{name:30} {relative:.4f} of the largest entry (bfloat16's step: 2⁻⁸ = 0.0039)")
+    print(f"{name:30} {relative:.4f} of the largest entry (bfloat16's spacing at 1: {spacing:.4f})")
     assert relative < 2**-6
 assert all(max_diff(autocast_results[name], reference) == 0
            for name in ["torch, use_reentrant=False", "ckpt_lab.checkpoint",
@@ -326,7 +329,7 @@ show_source(zoo.every_other_matmul, start="seen = [0]", stop="policy.seen")
 
 # %% [markdown]
 # Three blocks of three matmuls, each block in a selective checkpoint. If one policy object serves
-# every call, the counter runs on from block to block: block 1 starts on an even count and keeps
+# every call, the counter runs on from block to block: the second block starts on an even count and keeps
 # its 8 KiB middle matmul instead of its 32 KiB first one. (Each block's last matmul is its output,
 # handed on, not counted as kept.) A fresh counter per call:
 
@@ -439,7 +442,7 @@ for seed in [10, 1]:
 #
 # | # | cause | measured | fix, measured |
 # |---|---|---|---|
-# | 1 | whole function / last stage checkpointed | peak 335,876 B either way, as without | each block but the last: 139,268 B |
+# | 1 | whole function / last block checkpointed | peak 335,876 B either way, as without | each block but the last: 139,268 B |
 # | 2 | caller keeps the input / logged activations | one-op checkpoint keeps as much as none; hook: 212,992 B | log floats: 114,688 B |
 # | 3 | no grad | under `no_grad`: 4 B kept with or without; reentrant on data: 4 parameters untrained, never re-run | non-reentrant checkpoint |
 # | 4 | BatchNorm | `num_batches_tracked` 2, gradients equal | `skip_stats_update_in_recompute`: 1 |

@@ -83,7 +83,8 @@ def step(name, model, ids):
 #
 # `gpt2()` (in `ckpt_lab.explain.real`) builds `GPT2LMHeadModel` from a `GPT2Config`, seeded, in
 # training mode. Two choices are spelled out: *eager* attention (softmax, dropout and the matmuls
-# as separate ops, which `explain` can name; SDPA fuses them) and a vocabulary of 512 tokens. The
+# as separate ops, which `explain` can name; SDPA, PyTorch's fused
+# `scaled_dot_product_attention`, would run them as one) and a vocabulary of 512 tokens. The
 # loss is the model's own: `model(ids, labels=ids).loss`, which `explain` gets as `loss_fn`.
 
 # %%
@@ -91,7 +92,7 @@ model, ids = gpt2()
 params = sum(p.numel() for p in model.parameters())
 print(f"{type(model).__name__}: {len(checkpointed_layers(model))} blocks, {params:,} parameters; "
       f"input ids {tuple(ids.shape)}")
-print(step("plain", model, ids).summary())
+print(step("plain", model, ids).summary(top=8))
 
 # %% [markdown]
 # Read top down: 43.8 MiB kept, thirteen times the parameters. The largest holders are in
@@ -140,7 +141,8 @@ assert plain.retained_bytes == plain.saved_bytes + plain.loss_bytes
 #
 # 1. it makes `partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)` (the switch's
 #    keyword arguments are only torch's) and stores it on every block as the attribute
-#    `_gradient_checkpointing_func`, and sets the block's `gradient_checkpointing` flag;
+#    `_gradient_checkpointing_func` (the *plug*, below: whatever function sits in that attribute
+#    does the checkpointing), and sets the block's `gradient_checkpointing` flag;
 # 2. each block is a `GradientCheckpointingLayer`, whose `forward` was wrapped when the class was
 #    made: in training mode, flag set, it calls
 #    `self._gradient_checkpointing_func(partial(forward, self, **kwargs), *args)`.
@@ -159,17 +161,25 @@ model.activation_checkpointing_enable()
 block = model.transformer.h[0]
 print(type(block).__mro__[1].__name__, "| flag:", block.gradient_checkpointing, "| plug:",
       block._gradient_checkpointing_func.func.__module__, block._gradient_checkpointing_func.keywords)
-print(step("transformers' switch", model, ids).summary())
+switch = step("transformers' switch", model, ids)
+print(switch.summary())
+t, reruns = switch.timeline, [s for s in switch.timeline.spans if s.kind == "recompute"]
+print("the peak in backward:", t.peak_index >= t.backward_start,
+      "| inside a re-run:", any(s.start <= t.peak_index <= s.stop for s in reruns),
+      "| re-runs finished before it:", sum(s.stop < t.peak_index for s in reruns), "of", len(reruns))
 
 # %% [markdown]
 # 3.0 MiB, from 43.8: each checkpoint "keeps only its inputs", and the largest holder now is the
-# loss's `_log_softmax` (4 × 128 tokens × 512 logits), outside any module. The peak (14.0 MiB) is
-# what backward needs while it re-runs one block: "re-running it allocates 19.0 MiB" per block.
+# loss's `_log_softmax` (4 × 128 tokens × 512 logits), outside any module. The peak (14.0 MiB)
+# comes in backward, after the first re-run (the last block's) and before the second: that block's
+# rebuilt activations, alive while backward goes through it. "Re-running it allocates 19.0 MiB in total" is a running total of the
+# bytes born during one block's re-run, not bytes alive at once (much is freed again as the re-run
+# goes), so it can exceed the peak.
 
 # %% [markdown]
 # ## 3 · `ckpt_lab.checkpoint` in the same switch
 #
-# The switch takes no other function, but the attribute it sets is the plug: anything called like
+# The switch takes no other function, but the attribute it sets is the plug (§2): anything called like
 # torch's checkpoint can sit there. `ckpt_lab.checkpoint` is (it accepts `use_reentrant=False`).
 # Switch on, then replace the function, block by block; the switch's other work stays (which
 # blocks, `use_cache` off). `ckpt_lab.explain.real.use_checkpoint_function(model, fn)` is these lines.
@@ -203,7 +213,8 @@ print("same bytes as torch's:", same)
 # m.forward = scoped_forward
 # ```
 #
-# The switch stays off: a scope inside a checkpoint does nothing (notebook 04).
+# The switch stays off: a scope inside a checkpoint does nothing (notebook 04b, §A.8 *A scope inside a
+# checkpointed function does nothing*).
 
 # %%
 for part in ("mlp", "attn"):
@@ -212,9 +223,10 @@ for part in ("mlp", "attn"):
     report = step(f"scope around each {'MLP' if part == 'mlp' else 'attention'}", model, ids)
     print(f"--- {paths}\n{report.summary(top=3)}")
     made_inside = sum(r.bytes for r in report.saved if f".{part}" in r.module)
-    ln_2 = sum(r.bytes for r in report.saved if r.module.endswith("ln_2"))
+    ln = "ln_2" if part == "mlp" else "ln_1"  # the LayerNorm in front of the scoped part
+    ln_bytes = sum(r.bytes for r in report.saved if r.module.endswith(ln))
     print(f"kept, made by modules inside the scoped {part}: {made_inside} bytes;",
-          f"ln_2 outputs: {ln_2} bytes\n")
+          f"{ln} outputs: {ln_bytes} bytes\n")
 
 # %% [markdown]
 # Around the MLP: 22.8 MiB, about half. Nothing the MLP made is kept (0 bytes, the GELU's
@@ -251,8 +263,8 @@ print("the peak is in backward:", t.peak_index >= t.backward_start)
 # %% [markdown]
 # The prediction is 1.0 MiB above the measurement: each block's inputs are its hidden states and
 # the attention mask (256 KiB each, GPT-2 passes both positionally); the planner counts the mask
-# once per block, but it is one tensor, made outside the blocks. The plan keeps 38.0 MiB,
-# and the peak hardly moves (45.5 MiB against 45.8): the budget bounds what is *kept* between
+# once per block, but it is one tensor, made outside the blocks. The whole step keeps 38.0 MiB
+# (36.0 of it inside the blocks), and the peak hardly moves (45.5 MiB against 45.8): the budget bounds what is *kept* between
 # forward and backward, not the peak in backward, where the kept outputs of every block are still
 # alive while the last one is re-run. To lower the peak, lower the budget.
 
@@ -264,7 +276,7 @@ print("the peak is in backward:", t.peak_index >= t.backward_start)
 
 # %%
 names = ["plain", "transformers' switch", "ckpt_lab.checkpoint in the switch"]
-fig, axes = plt.subplots(len(names), 1, figsize=(10, 9), sharey=True)
+fig, axes = plt.subplots(len(names), 1, figsize=(14, 9))  # own y scale each; wide: the box clears backward
 for ax, name in zip(axes, names, strict=True):
     reports[name].plot(ax)
     ax.set_title(f"GPT-2 (4 blocks), {name}: {reports[name].retained_bytes / MiB:.1f} MiB kept after forward")
@@ -285,9 +297,12 @@ save_figure(fig, "07b_gpt2_timeline")
 plain = reports["plain"]
 print(f"{'variant':<36}{'retained MiB':>13}{'peak MiB':>10}{'ratio':>7}  largest holder")
 for name, r in reports.items():
-    holder = next(line for line in r.summary(top=1).splitlines() if line.startswith("  "))
+    line = next(line for line in r.summary(top=1).splitlines() if line.startswith("  "))
+    op = line.split("`")[1]  # "... outputs of `op` in 4 modules (path), kept by ..."
+    where = "outside any module" if "outside any module" in line else "in " + (
+        line.split("(")[1].split(")")[0] if " modules (" in line else line.split(" in ")[1].split(",")[0])
     print(f"{name:<36}{r.retained_bytes / MiB:>13.1f}{r.peak_bytes / MiB:>10.1f}"
-          f"{r.retained_bytes / plain.retained_bytes:>7.2f}  {holder.split(': ', 1)[1][:60]}")
+          f"{r.retained_bytes / plain.retained_bytes:>7.2f}  `{op}` {where}")
 same = {name: all(torch.equal(g[k], grads["plain"][k]) for k in g) for name, g in grads.items()}
 print("gradients equal to the plain step's:", same)
 assert all(same.values())
