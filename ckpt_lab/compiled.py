@@ -5,6 +5,7 @@ Introduced in notebook 08. The entry point measures one compiled training step:
     step = compile_step(fn, x, budget=0.5)    # torch._functorch.config.activation_memory_budget
     step.saved_bytes, step.saved               # what the compiled forward keeps for backward
     step.recomputed, step.recompute_flops      # forward ops the backward graph runs again
+    print(step.summary())                      # saved tensors by graph name, recomputed ops
     print(step.describe())                     # both partitioned graphs, one line per op
 
 ``compiled_points(workload, budgets)`` does it for a benchmark stack at several budgets, as
@@ -54,8 +55,8 @@ crashed inside Dynamo's fake-tensor tracing of its pack hook. So each of our ent
 ``reentrant_checkpoint``, ``selective_checkpoint``, ``offload_to_cpu``'s hooks) starts with
 ``if torch.compiler.is_compiling(): return run_eagerly(...)``: Dynamo meets a function it is told not
 to trace, breaks the graph there, and runs the checkpoint eagerly, with its eager memory and
-gradients. ``gradient_checkpoint_scope`` needs nothing: Dynamo cannot trace its thread-local set-up
-and falls back to eager for the whole compiled function. The cost is the graph break: the compiler
+gradients. ``gradient_checkpoint_scope`` needs nothing: Dynamo cannot trace its thread-local set-up,
+breaks the graph there and runs it eagerly. The cost is the graph break: the compiler
 optimises only around our checkpoints, never through them; to let it see the block, use torch's
 checkpoint (``Plan.torch_context_fn`` hands the planner's plan to it).
 """
@@ -121,6 +122,31 @@ class CompiledStep:
     @property
     def saved_bytes(self) -> int:
         return sum(nbytes for _, _, nbytes in self.saved)
+
+    @property
+    def saved_names(self) -> list[str]:
+        """Graph names of what the forward hands to backward: the backward graph's inputs other than
+        ``tangents_*`` (the output gradients). Parameters included, unlike ``saved``."""
+        return [
+            n.name
+            for n in self.backward_graph.graph.nodes
+            if n.op == "placeholder" and not n.name.startswith("tangents")
+        ]
+
+    def summary(self) -> str:
+        """What crosses to backward, one line per tensor (graph name, the forward op that made it or
+        ``input``, shape, bytes), then the recomputed ops: ``describe`` without the full op lists."""
+        made = {n.name: n for n in self.forward_graph.graph.nodes}
+        lines = []
+        for name in self.saved_names:
+            node = made.get(name)
+            val = node.meta.get("val") if node is not None else None
+            by = "input" if node is None or node.op == "placeholder" else _short(node.target)
+            shape = f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}" if val is not None else "?"
+            size = val.numel() * val.element_size() if val is not None else 0
+            lines.append(f"saved {name:10} made by {by:6} {shape:16} {size:6d} B")
+        lines.append("recomputed in backward: " + (" ".join(self.recomputed) or "-"))
+        return "\n".join(lines)
 
     def describe(self) -> str:
         """Both partitioned graphs, one short line per op (see ``compact``)."""

@@ -268,11 +268,20 @@ def plot(
             label = {
                 "planner dp": "planner DP, measured",
                 "planner greedy": "planner greedy, measured",
-                "compiled": "torch.compile budgets (aot_eager_decomp_partition)",
+                "compiled": "torch.compile budgets (aot_eager_decomp_partition), number = budget",
                 "compiled, wrong gradients": "torch.compile budgets, wrong gradients (dropout redrawn)",
             }.get(key, p.strategy)
             ax.scatter([x], [y], label=None if key in labelled else label, **_MARKERS.get(key, {}))
             labelled.add(key)
+            if key.startswith("compiled"):  # its budget, to match the point with the table
+                ax.annotate(
+                    p.strategy.rsplit(" ", 1)[1],
+                    (x, y),
+                    xytext=(5, -10),
+                    textcoords="offset points",
+                    fontsize=7,
+                    color="dimgray",
+                )
             if p.strategy == "CPU offload":
                 ax.annotate(
                     p.note.replace(" to host", "\nto host"),

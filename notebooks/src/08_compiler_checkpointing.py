@@ -23,11 +23,11 @@
 #
 # | question | answer | section |
 # |---|---|---|
-# | What does the compiler save by default? | matmul outputs and dropout masks; pointwise ops recomputed | 1 |
+# | What does the compiler save by default? | eager's tensors on section 1's block; 1-byte dropout masks | 1 |
 # | What does the budget do? | fewer saved bytes, more recomputation, down to the inputs alone | 2 |
 # | Is it correct with dropout? | not at low budgets in torch 2.13: the mask is redrawn | 2.1 |
-# | Compiler's frontier or the eager planner's? | the compiler's, by far, where it may recompute | 3 |
-# |  | across blocks and keep 1-byte masks; the planner's wherever gradients must be right | |
+# | Compiler's frontier or the eager planner's? | at budget 0.75 the compiler's, far below the planner's; | 3 |
+# |  | at 1 about equal; below 0.75 the compiler's gradients are wrong | |
 # | Do our checkpoints survive compilation? | yes, as graph breaks: eager inside, right gradients | 4 |
 # | Can the planner's plan steer the compiler? | yes, through torch's checkpoint, matched by op | 5 |
 #
@@ -35,9 +35,23 @@
 # inductor's decompositions and partitioner, without its C++ code generation (a compilation takes
 # under a second here instead of 15 s). What it saves is what `inductor` saves; inductor adds
 # fused kernels, i.e. time, which this notebook does not claim to measure.
+#
+# **Terms.**
+# * *Dynamo*: `torch.compile`'s front end; it runs the Python function and records its tensor ops
+#   as FX graphs.
+# * *Graph break*: a point where Dynamo stops recording (code it cannot or may not trace); that
+#   code runs eagerly and recording resumes after it in a new graph.
+# * *AOTAutograd*: the next stage; it traces forward and backward of each graph together (the joint
+#   graph) and splits them into a forward graph and a backward graph.
+# * *Fake-tensor tracing*: tracing with tensors that carry shape and dtype but no data.
+# * *Higher-order op*: a graph op that takes a function (a subgraph) as argument, such as torch's
+#   checkpoint as Dynamo records it.
+# * `primals_*` / `tangents_*`: AOTAutograd's names for the graph's inputs (tensors and parameters)
+#   and for the gradients of its outputs, handed to backward.
+# * *(recorded)* in the backend's name: `ckpt_lab.compiled` keeps the two graphs and measures inside
+#   them; the compilation is the named backend's.
 
 # %%
-import inspect
 import logging
 import warnings
 
@@ -48,6 +62,7 @@ from torch import nn
 import ckpt_lab
 from ckpt_lab import compiled
 from ckpt_lab.bench import pareto, workloads
+from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.viz import save_figure
 from ckpt_lab.offload import offload_to_cpu
 from ckpt_lab.planner import solve
@@ -73,20 +88,20 @@ torch.manual_seed(0)
 block = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
 x = torch.randn(8, 64, requires_grad=True)
 step = compiled.compile_step(block, x, budget=1.0, params=list(block.parameters()))
-for shape, dtype, nbytes in step.saved:
-    print(f"saved  {dtype}{list(shape)}  {nbytes} B")
-print("recomputed in backward:", " ".join(step.recomputed))
-print(step.describe())
+print(step.summary())  # step.describe() prints both graphs op by op
+print(f"without the weights: {len(step.saved)} tensors, {step.saved_bytes} B")
 
 # %% [markdown]
-# Three tensors cross from forward to backward: the input and the two `addmm` outputs (2 KiB
-# each). GELU's output, the input of the second matmul, is *not* saved: the backward graph computes
-# it again from the first `addmm` (the `mul erf add mul` line: GELU, decomposed). That is the
-# partitioner's default rule: pointwise ops and views are "free" to recompute (inductor fuses them
-# into the backward's kernels), matmuls and random ops are never recomputed. So at budget 1 the
-# compiler already does a little selective checkpointing of its own.
+# The names are the graphs' own: `primals_1` and `primals_4` are the two weights (64 × 64, kept
+# by every strategy, so the byte counts leave them out), `primals_3` is the input `x`, `addmm` is
+# the first matmul's output (GELU's input) and `mul_2` is GELU's output (the second matmul's
+# input): three 2 KiB activations. The model's output, `addmm_1`, is not saved. The recomputed
+# `mul erf add` rebuild GELU's term 1 + erf(x/√2) from `addmm`, which GELU's derivative needs (eager's
+# `gelu_backward` computes it too); the `permute`s are the weights' transposes. The partitioner's
+# default rule allows this: pointwise ops and views are "free" to recompute (inductor fuses them
+# into the backward's kernels), matmuls and random ops never are.
 #
-# For comparison, eager autograd on the same block saves by op, with no cut to optimise:
+# Eager autograd on the same block saves by op, with no cut to optimise:
 
 # %%
 with ckpt_lab.SavedTensorLog() as eager_log:
@@ -96,21 +111,32 @@ print("eager saves:", ", ".join(e.made_by for e in activations))
 print(f"eager: {eager_log.activation_bytes} B saved; compiled: {step.saved_bytes} B")
 
 # %% [markdown]
+# The same three tensors and bytes: on this block, at budget 1, the compiler saves what eager
+# saves. It differs where eager's ops are not the compiler's: dropout (section 2.1) and whole stacks
+# (section 3).
+
+# %% [markdown]
 # ## 2 · The memory budget
 #
-# `activation_memory_budget` is a fraction between 0 and 1 of the saved bytes at the default. At 1
-# the min-cut result stands; at 0 only the graph's inputs are kept and everything is recomputed;
-# in between the partitioner solves a knapsack: which values to save to stay under the fraction,
-# recomputing as little as possible (by its own runtime estimate). `torch._dynamo.reset()` between
-# budgets makes it recompile.
+# `activation_memory_budget` is a fraction between 0 and 1, not of the default's saved bytes but
+# of the *range* between saving only the graph's inputs (0) and the default min-cut (1): the
+# partitioner (`choose_saved_values_set`, `get_mem_ratio` in torch's `partitioners.py`) keeps
+# inputs + budget × (default − inputs) bytes of saved values. In between it solves a knapsack: which
+# values to save to stay under that, recomputing as little as possible (by its own runtime
+# estimate). `compile_step` resets Dynamo so that each budget recompiles. "in range" puts the
+# saved bytes on that range: it equals the budget, where the share of the default's bytes does not.
 
 # %%
-for budget in (1.0, 0.5, 0.0):
-    s = compiled.compile_step(block, x, budget=budget, params=list(block.parameters()))
+params = list(block.parameters())
+steps = {b: compiled.compile_step(block, x, budget=b, params=params) for b in (1.0, 0.5, 0.0)}
+low, high = steps[0.0].saved_bytes, steps[1.0].saved_bytes
+for budget, s in steps.items():
     matmuls = sum(op in ("addmm", "mm") for op in s.recomputed)
     print(f"budget {budget:.1f}: saves {len(s.saved)} tensors, {s.saved_bytes:5d} B; "
           f"peak {s.peak_bytes:5d} B; recomputes {len(s.recomputed):2d} ops ({matmuls} matmul), "
           f"{s.recompute_flops:6d} FLOPs; grads ok: {s.grads_ok}")
+    print(f"    in range (saved - {low}) / ({high} - {low}): {(s.saved_bytes - low) / (high - low):.2f}; "
+          f"saved / {high}: {s.saved_bytes / high:.2f}")
 
 # %% [markdown]
 # At budget 0 the first matmul runs again in backward: the block is checkpointed whole, the
@@ -153,16 +179,23 @@ for budget in (1.0, 0.5, 0.0):
 wl = workloads.mlp(8)
 points = {wl.name: pareto.measure_points(wl, compiled=True)}
 frontiers = {wl.name: pareto.exact_frontier(wl)}
-print(pareto.table([p for p in points[wl.name] if not p.strategy.startswith("planner greedy")]))
+print(f"{'strategy':20} {'retained MiB':>12} {'recompute GFLOP':>15} {'gradients':>11}  note")
+for p in points[wl.name]:
+    if not p.strategy.startswith("planner greedy"):  # notebook 05 compares greedy with the DP
+        grads = "ok" if p.grads_ok else "wrong grads"
+        print(f"{p.strategy:20} {p.retained_bytes / 2**20:12.3f} {p.recompute_flops / 1e9:15.4f} "
+              f"{grads:>11}  {p.note.split(';')[0]}")
 
 # %%
 fig = pareto.plot(points, frontiers)
 save_figure(fig, "08_frontier")
 
 # %% [markdown]
-# The compiled points are the triangles, hollow where the gradients are wrong (section 2.1). They
-# are not on the planner's staircase: most lie far below it. At each compiled point's memory, what
-# does the eager planner's best plan recompute (`planner.solve` at that many bytes)?
+# The compiled points are the triangles, labelled with their budget, hollow where the gradients
+# are wrong (section 2.1). Of those with right gradients, budget 0.75 lies far below the planner's
+# staircase and budget 1 about on it; the budgets below 0.75 lie below it or left of its minimum,
+# with wrong gradients. At each compiled point's memory, what does the eager planner's best plan
+# recompute (`planner.solve` at that many bytes)?
 
 # %%
 eager_planner = planner_range(wl.blocks, wl.input)
@@ -179,12 +212,14 @@ print(f"the planner's minimum: {lowest / 2**20:.3f} MiB")
 # At 2.75 MiB, with right gradients, the compiler recomputes 0.0034 GFLOP; the eager planner
 # recomputes over half a GFLOP there and needs 4 MiB to get that low. Why:
 #
-# * **Where the compiler wins: it is not tied to blocks, and it sees the dropout mask.** The planner's
-#   regions are the blocks, so every block's input (a float tensor) is kept whatever the budget:
-#   that is its 2 MiB minimum. The compiler keeps each `addmm` output and dropout's *mask* (a
-#   `bool` tensor, 1 byte per element) and recomputes GELU, the mask's multiply and so the next
-#   block's input, pointwise, in backward. Eager dropout has no separate mask to keep. Budget 0
-#   even keeps only the input (0.25 MiB), the whole stack as one checkpoint.
+# * **Where the compiler wins (budget 0.75): it is not tied to blocks, and its dropout mask is 1
+#   byte.** The planner's regions are the blocks, so every block's input (a float tensor) is kept
+#   whatever the budget: that is its 2 MiB minimum. The compiler keeps `addmm` outputs and
+#   dropout's *mask* from `native_dropout` (a `bool` tensor, 1 byte per element) and recomputes
+#   GELU, the mask's multiply and so the next block's input, pointwise, in backward. Eager dropout
+#   makes its mask as a float32 tensor (`empty_like bernoulli_ div_`, then `mul`: section 5 prints
+#   these ops), 4 bytes per element, inside the block; the planner can keep that op output or not,
+#   never a 1-byte copy. (Budget 0 keeps only the input, 0.25 MiB, but its gradients are wrong.)
 # * **Where the eager planner wins: it is right with dropout at every budget** (the compiler's
 #   0.5 and lower redraw masks), it predicts its measurement to the byte before running, its
 #   budget is in bytes rather than a fraction, and it needs no compilation (a recompile per budget
@@ -197,8 +232,9 @@ print(f"the planner's minimum: {lowest / 2**20:.3f} MiB")
 # ## 4 · Our checkpoints under torch.compile
 #
 # Each way of checkpointing three Linear + GELU + Dropout blocks (width 16), compiled with the
-# `aot_eager` backend: do the gradients equal eager's, and how many graphs does Dynamo make (one
-# op between blocks, so a graph break shows as one more graph)?
+# `aot_eager` backend: do the gradients equal eager's, and how many graphs does Dynamo make? A
+# multiply precedes each block, so each break leaves it a graph of its own. `torch._dynamo.explain`
+# counts graph breaks as graphs − 1.
 
 # %%
 def torch_sac_context():
@@ -252,20 +288,20 @@ for name, way in ways.items():
 # torch's checkpoints become one graph: Dynamo turns them into a higher-order op that the
 # partitioner obeys (a `context_fn` must be a function Dynamo did not see being made, e.g. one
 # defined at module level; a lambda made inside the compiled function is refused). Ours break the
-# graph at every block and run eagerly inside, with their eager memory and gradients. Before this
-# notebook, `ckpt_lab.checkpoint` under compile died in backward with a bare `StopIteration`, and
-# `offload_to_cpu` inside Dynamo's fake-tensor tracing. Now every entry point starts with:
+# graph at each of the three blocks (3 graphs, one per multiply; 2 breaks as `explain` counts) and
+# run eagerly inside, with their eager memory and gradients. Without this guard,
+# `ckpt_lab.checkpoint` under compile dies in backward with a bare `StopIteration`, and
+# `offload_to_cpu` inside Dynamo's fake-tensor tracing. Every checkpoint function (not the scope)
+# starts with:
 
 # %%
-guard = inspect.getsource(ckpt_lab.reentrant_checkpoint).splitlines()
-first = next(i for i, line in enumerate(guard) if "is_compiling" in line)
-print("\n".join(line[4:] for line in guard[first : first + 5]))  # ckpt_lab.reentrant_checkpoint
+show_source(ckpt_lab.reentrant_checkpoint, start="is_compiling", stop="_check_options")
 
 # %% [markdown]
 # `run_eagerly` is marked `torch.compiler.disable`: Dynamo breaks the graph there and calls it
 # eagerly, where `is_compiling()` is False. The scope needs no such line: Dynamo cannot trace its
-# set-up (thread-local state, saved-tensor hooks), breaks the graph there and runs it eagerly (one
-# more graph than the others above), with right gradients. The price is visible in the counts:
+# set-up (thread-local state, saved-tensor hooks), breaks the graph there and runs it eagerly (4
+# graphs, 3 breaks: one more than the others above), with right gradients. The price is visible in the counts:
 # the compiler optimises only between our checkpoints, never through them.
 #
 # ## 5 · The planner's plan handed to the compiler
@@ -344,8 +380,9 @@ for p in sorted(budget_points, key=lambda p: abs(p.retained_bytes - kept))[:2]:
 # * The compiler checkpoints by itself: a min-cut between forward and backward, pointwise ops
 #   recomputed, matmuls saved; `activation_memory_budget` slides it toward recomputing everything.
 # * Check gradients when a budget below 1 meets dropout (torch 2.13 redraws the mask).
-# * Free to recompute across blocks and to keep 1-byte masks, the compiler's budget beats the eager
-#   planner's frontier on the MLP stack; the planner stays right with dropout at every budget.
+# * Free to recompute across blocks and to keep 1-byte masks, the compiler at budget 0.75 lies far
+#   below the eager planner's frontier on the MLP stack, at budget 1 about on it; its lower budgets
+#   redraw dropout masks, while the planner stays right with dropout at every budget.
 # * Eager `ckpt_lab` checkpoints run under `torch.compile` as graph breaks; torch's checkpoints
 #   (with a plan's `torch_context_fn`, matched by op under tracing) are what it can see through.
 # * `python -m ckpt_lab.bench.pareto --compile` adds these points to notebook 05's figure.
