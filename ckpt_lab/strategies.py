@@ -87,9 +87,14 @@ _MATMULS = [
 ]
 
 
+# A function of the module, not a lambda made per call: under torch.compile, Dynamo accepts only a
+# context_fn it did not see being made (notebook 08 compiles these block runs).
+def _torch_sac_context() -> tuple[Any, Any]:
+    return torch_ckpt.create_selective_checkpoint_contexts(_MATMULS)
+
+
 def _torch_sac(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    context = lambda: torch_ckpt.create_selective_checkpoint_contexts(_MATMULS)
-    return torch_ckpt.checkpoint(block, x, use_reentrant=False, context_fn=context)
+    return torch_ckpt.checkpoint(block, x, use_reentrant=False, context_fn=_torch_sac_context)
 
 
 def _ckpt_sac(block: nn.Module, x: torch.Tensor) -> torch.Tensor:

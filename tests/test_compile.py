@@ -11,22 +11,10 @@ import torch
 import torch.utils.checkpoint as torch_ckpt
 from torch import nn
 
-import ckpt_lab
 from ckpt_lab.compiled import compile_step, graph_breaks
 from ckpt_lab.offload import offload_to_cpu
 from ckpt_lab.planner import plan
-from ckpt_lab.selective import selective_checkpoint
-
-MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default]
-
-
-def _sac_context():  # module level: Dynamo accepts a context_fn it did not see being created
-    return torch_ckpt.create_selective_checkpoint_contexts(MATMULS)
-
-
-def _scope(block, x):
-    with ckpt_lab.gradient_checkpoint_scope():
-        return block(x)
+from ckpt_lab.strategies import REGISTRY
 
 
 def _offload(block, x):
@@ -34,25 +22,22 @@ def _offload(block, x):
         return block(x)
 
 
-WAYS = {
-    "torch non-reentrant": lambda b, x: torch_ckpt.checkpoint(b, x, use_reentrant=False),
-    "torch reentrant": lambda b, x: torch_ckpt.checkpoint(b, x, use_reentrant=True),
-    "torch SAC": lambda b, x: torch_ckpt.checkpoint(b, x, use_reentrant=False, context_fn=_sac_context),
-    "checkpoint": lambda b, x: ckpt_lab.checkpoint(b, x),
-    "reentrant_checkpoint": lambda b, x: ckpt_lab.reentrant_checkpoint(b, x),
-    "selective_checkpoint": lambda b, x: selective_checkpoint(b, x, policy=MATMULS),
-    "gradient_checkpoint_scope": _scope,
-    "offload_to_cpu": _offload,
-}
+# Every checkpoint, as the benchmark runs it on one block (``ckpt_lab.strategies``), and offload.
+CHECKPOINTS = [
+    "torch-nonreentrant", "torch-reentrant", "torch-sac-matmul",
+    "ckpt-nonreentrant", "ckpt-reentrant", "ckpt-sac-matmul", "ckpt-scope",
+]
+WAYS = {**{name: REGISTRY[name].block for name in CHECKPOINTS}, "offload_to_cpu": _offload}
+
 # (graphs, graph breaks) of ``_stack`` with Dynamo: torch's become part of one graph; ours break it at
 # each block, leaving one graph per ``x * 1.5`` (NOTE [ Checkpoints under torch.compile ]).
 BREAKS = {
-    "torch non-reentrant": (1, 0),
-    "torch reentrant": (1, 0),
-    "torch SAC": (1, 0),
-    "checkpoint": (3, 2),
-    "reentrant_checkpoint": (3, 2),
-    "selective_checkpoint": (3, 2),
+    "torch-nonreentrant": (1, 0),
+    "torch-reentrant": (1, 0),
+    "torch-sac-matmul": (1, 0),
+    "ckpt-nonreentrant": (3, 2),
+    "ckpt-reentrant": (3, 2),
+    "ckpt-sac-matmul": (3, 2),
     "offload_to_cpu": (3, 2),
 }
 

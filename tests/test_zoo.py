@@ -65,7 +65,7 @@ def test_logged_tensors_are_kept_and_logged_numbers_are_not() -> None:
 # ---------------------------------------------------------------------------------- 3. no grad
 @pytest.mark.parametrize("name", sorted(zoo.CHECKPOINTS))
 def test_under_no_grad_every_checkpoint_runs_once_and_keeps_nothing(name: str) -> None:
-    result = zoo.under_no_grad(name)
+    result = zoo.called_under_no_grad(name)
     assert result["forward runs"] == 1 and not result["output requires grad"]
     layer, x = zoo.block(), torch.randn(zoo.BATCH, zoo.WIDTH)
     with torch.no_grad(), warnings.catch_warnings():

@@ -9,7 +9,7 @@ functions run one training step and return the number the notebook and ``tests/t
 2. **The caller keeps what the checkpoint should free**: a checkpoint around one op keeps that op's
    input, which is all it saved (``around_one_op``); a logging hook keeps activations
    (``logged_tensors``); fixed: ``logged_numbers``.
-3. **No grad**: under ``torch.no_grad()`` (``under_no_grad``), and around a block whose inputs need
+3. **No grad**: under ``torch.no_grad()`` (``called_under_no_grad``), and around a block whose inputs need
    no grad (``first_block_checkpointed``, ``params_without_grad``).
 4. **BatchNorm's running statistics updated twice**: ``batchnorm_step``; fixed with
    ``ckpt_lab.batchnorm.skip_stats_update_in_recompute``.
@@ -49,6 +49,7 @@ __all__ = [
     "around_one_op",
     "autocast_step",
     "batchnorm_step",
+    "called_under_no_grad",
     "counter_fresh",
     "counter_shared",
     "each_block_but_last",
@@ -61,7 +62,6 @@ __all__ = [
     "logged_tensors",
     "no_checkpoint",
     "params_without_grad",
-    "under_no_grad",
     "whole_function",
 ]
 
@@ -184,7 +184,7 @@ def logged_numbers() -> tuple[Chain, torch.Tensor, Any]:
 
 
 # ======================================================================= 3: no grad to track
-def under_no_grad(name: str) -> dict[str, Any]:
+def called_under_no_grad(name: str) -> dict[str, Any]:
     """Case 3: checkpoint ``CHECKPOINTS[name]`` called under ``torch.no_grad()``."""
     torch.manual_seed(0)
     layer, runs = block(), []

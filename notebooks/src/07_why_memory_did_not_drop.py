@@ -189,14 +189,14 @@ assert numbers.retained_bytes == fixed.retained_bytes and len(model.logged) == 4
 # %%
 layer, x = zoo.block(), torch.randn(zoo.BATCH, zoo.WIDTH)
 with torch.no_grad(), warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # counted by zoo.under_no_grad below
+    warnings.simplefilter("ignore")  # counted by zoo.called_under_no_grad below
     kept = {"plain": measure_memory(lambda: layer(x).sum(), backward=False).retained_bytes}
     for name, run in zoo.CHECKPOINTS.items():
         kept[name] = measure_memory(lambda run=run: run(layer, x).sum(), backward=False).retained_bytes
 for name in zoo.CHECKPOINTS:
-    print(f"{name:30} kept {kept[name]} B (plain: {kept['plain']} B)", zoo.under_no_grad(name))
+    print(f"{name:30} kept {kept[name]} B (plain: {kept['plain']} B)", zoo.called_under_no_grad(name))
 assert len(set(kept.values())) == 1
-assert all(zoo.under_no_grad(name)["forward runs"] == 1 for name in zoo.CHECKPOINTS)
+assert all(zoo.called_under_no_grad(name)["forward runs"] == 1 for name in zoo.CHECKPOINTS)
 
 # %% [markdown]
 # All four just run the function once; torch's reentrant one also warns that no input requires

@@ -63,11 +63,11 @@ import ckpt_lab
 from ckpt_lab import compiled
 from ckpt_lab.bench import pareto, workloads
 from ckpt_lab.helpers.show import show_source
+from ckpt_lab.helpers.tensors import grads
 from ckpt_lab.helpers.viz import save_figure
 from ckpt_lab.offload import offload_to_cpu
 from ckpt_lab.planner import solve
-from ckpt_lab.selective import selective_checkpoint
-from ckpt_lab.strategies import planner_range
+from ckpt_lab.strategies import REGISTRY, planner_range
 
 # Dynamo's one-time warnings and log lines would land in the stored outputs: keep them out.
 warnings.filterwarnings("ignore")
@@ -182,9 +182,9 @@ frontiers = {wl.name: pareto.exact_frontier(wl)}
 print(f"{'strategy':20} {'retained MiB':>12} {'recompute GFLOP':>15} {'gradients':>11}  note")
 for p in points[wl.name]:
     if not p.strategy.startswith("planner greedy"):  # notebook 05 compares greedy with the DP
-        grads = "ok" if p.grads_ok else "wrong grads"
+        verdict = "ok" if p.grads_ok else "wrong grads"
         print(f"{p.strategy:20} {p.retained_bytes / 2**20:12.3f} {p.recompute_flops / 1e9:15.4f} "
-              f"{grads:>11}  {p.note.split(';')[0]}")
+              f"{verdict:>11}  {p.note.split(';')[0]}")
 
 # %%
 fig = pareto.plot(points, frontiers)
@@ -237,52 +237,39 @@ print(f"the planner's minimum: {lowest / 2**20:.3f} MiB")
 # counts graph breaks as graphs − 1.
 
 # %%
-def torch_sac_context():
-    return torch_ckpt.create_selective_checkpoint_contexts([torch.ops.aten.addmm.default])
-def scoped(b, y):
-    with ckpt_lab.gradient_checkpoint_scope():
-        return b(y)
+# Each checkpoint as the benchmark runs it on one block (`ckpt_lab.strategies`; torch's selective
+# one gets its `context_fn` from a function of that module), and CPU offload around a block.
 def offloaded(b, y):
     with offload_to_cpu(include_cpu_tensors=True):
         return b(y)
-ways = {
-    "torch, non-reentrant": lambda b, y: torch_ckpt.checkpoint(b, y, use_reentrant=False),
-    "torch, reentrant": lambda b, y: torch_ckpt.checkpoint(b, y, use_reentrant=True),
-    "torch SAC (context_fn)": lambda b, y: torch_ckpt.checkpoint(
-        b, y, use_reentrant=False, context_fn=torch_sac_context),
-    "ckpt_lab.checkpoint": lambda b, y: ckpt_lab.checkpoint(b, y),
-    "ckpt_lab.reentrant_checkpoint": lambda b, y: ckpt_lab.reentrant_checkpoint(b, y),
-    "ckpt_lab.selective_checkpoint": lambda b, y: selective_checkpoint(
-        b, y, policy=[torch.ops.aten.addmm.default]),
-    "ckpt_lab.gradient_checkpoint_scope": scoped,
-    "ckpt_lab.offload_to_cpu": offloaded,
-}
+names = ["torch-nonreentrant", "torch-reentrant", "torch-sac-matmul", "ckpt-nonreentrant",
+         "ckpt-reentrant", "ckpt-sac-matmul", "ckpt-scope"]
+ways = {**{REGISTRY[n].label: REGISTRY[n].block for n in names}, "ckpt_lab.offload_to_cpu": offloaded}
 
 # %%
 torch.manual_seed(0)
 small = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.1)) for _ in range(3)).train()
 x3 = torch.randn(4, 16)
-def stack(way):
+def three_blocks(way):  # unrolled: Dynamo gives up on a whole loop that breaks its graph
     def run(y):
         y = way(small[0], y * 1.5)
         y = way(small[1], y * 1.5)
         return way(small[2], y * 1.5)
     return run
-def grads(fn):
+def step_grads(fn):
     torch.manual_seed(1)
     y = x3.clone().requires_grad_()
-    small.zero_grad(set_to_none=True)
     fn(y).square().mean().backward()
-    return [y.grad, *(p.grad for p in small.parameters())]
+    return grads(y, *small.parameters())
 
 # %%
 for name, way in ways.items():
-    eager = grads(stack(way))
+    eager = step_grads(three_blocks(way))
     torch._dynamo.reset()
-    in_compile = grads(torch.compile(stack(way), backend="aot_eager"))
+    in_compile = step_grads(torch.compile(three_blocks(way), backend="aot_eager"))
     ok = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(eager, in_compile, strict=True))
-    graphs, breaks = compiled.graph_breaks(stack(way), x3.clone().requires_grad_())
-    print(f"{name:35} gradients == eager: {ok}   graphs {graphs}, graph breaks {breaks}")
+    graphs, breaks = compiled.graph_breaks(three_blocks(way), x3.clone().requires_grad_())
+    print(f"{name:45} gradients == eager: {ok}   graphs {graphs}, graph breaks {breaks}")
 
 # %% [markdown]
 # torch's checkpoints become one graph: Dynamo turns them into a higher-order op that the
