@@ -72,6 +72,8 @@ from typing import Any
 
 import torch
 
+from ckpt_lab._eager import run_eagerly
+
 __all__ = [
     "BACKEND",
     "CompiledStep",
@@ -81,16 +83,6 @@ __all__ = [
     "graph_breaks",
     "run_eagerly",
 ]
-
-
-@torch.compiler.disable(reason="ckpt_lab's checkpoints run eagerly under torch.compile (ckpt_lab.compiled)")
-def run_eagerly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``function(*args, **kwargs)``, never traced by Dynamo: a graph break, then eager execution.
-
-    See NOTE [ Checkpoints under torch.compile ]. Inside, ``torch.compiler.is_compiling()`` is False,
-    so the entry point that called this runs its eager path.
-    """
-    return function(*args, **kwargs)
 
 
 # What this module compiles with, by name (see NOTE [ Which backend ]).

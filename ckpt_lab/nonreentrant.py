@@ -41,7 +41,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ckpt_lab.compiled import run_eagerly
+from ckpt_lab._eager import run_eagerly
 from ckpt_lab.rng import ReplayState
 
 __all__ = [

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ckpt_lab.compiled import run_eagerly
+from ckpt_lab._eager import run_eagerly
 from ckpt_lab.rng import ReplayState
 
 __all__ = ["CheckpointFunction", "reentrant_checkpoint"]

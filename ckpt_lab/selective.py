@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
 from ckpt_lab._aten import is_view, tensors_in
-from ckpt_lab.compiled import run_eagerly
+from ckpt_lab._eager import run_eagerly
 from ckpt_lab.nonreentrant import CheckpointError, check_use_reentrant, checkpoint
 
 __all__ = [
