@@ -24,12 +24,12 @@ forward and backward, storage by storage, and why (``ckpt_lab.explain``). The ha
 strategies, ``python -m ckpt_lab.bench``).
 """
 
+from ckpt_lab.errors import CheckpointError
 from ckpt_lab.explain import explain as explain
 from ckpt_lab.instruments.counting import CallCounter, OpCounter, count_flops
 from ckpt_lab.instruments.memory import LiveMemory, MemoryReport, measure_memory
 from ckpt_lab.instruments.saved import SavedTensorLog
 from ckpt_lab.nonreentrant import (
-    CheckpointError,
     checkpoint,
     set_checkpoint_debug_enabled,
     set_checkpoint_early_stop,

@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckpt_lab._eager import run_eagerly
+from ckpt_lab.errors import CheckpointError
 from ckpt_lab.rng import ReplayState
 
 __all__ = [
@@ -68,10 +69,6 @@ _DETERMINISM_CHECKS = ("default", "none")
 # None: each call's keyword decides; True/False: the context managers below override it.
 _early_stop_override: bool | None = None
 _debug_override: bool | None = None
-
-
-class CheckpointError(RuntimeError):
-    """The recomputation did not reproduce the forward: its tensors would give wrong gradients."""
 
 
 def noop_context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:

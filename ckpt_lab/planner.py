@@ -46,10 +46,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
 from ckpt_lab._aten import new_storages, op_info, storage_key, storage_keys, storage_of, storages, tensors_in
+from ckpt_lab.errors import CheckpointError
 
 # The cost model lives with the instruments (the benchmark counts with it too); importable from here.
 from ckpt_lab.instruments.flops import CostCounter, matmul_flops, op_cost
-from ckpt_lab.nonreentrant import CheckpointError
 from ckpt_lab.rng import fork_rng, tensor_devices
 from ckpt_lab.selective import (
     RECOMPUTE,

@@ -39,7 +39,7 @@ from torch._C._autograd import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckpt_lab._aten import _OP_INFO, OpInfo, op_info, storage_of
-from ckpt_lab.nonreentrant import CheckpointError
+from ckpt_lab.errors import CheckpointError
 from ckpt_lab.rng import AutocastState, ReplayState, RNGState, device_initialised, fork_rng
 
 __all__ = ["gradient_checkpoint_scope"]

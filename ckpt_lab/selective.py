@@ -49,7 +49,8 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
 from ckpt_lab._aten import is_view, tensors_in
 from ckpt_lab._eager import run_eagerly
-from ckpt_lab.nonreentrant import CheckpointError, check_use_reentrant, checkpoint
+from ckpt_lab.errors import CheckpointError
+from ckpt_lab.nonreentrant import check_use_reentrant, checkpoint
 
 __all__ = [
     "RECOMPUTE",

@@ -195,3 +195,31 @@ def test_is_view() -> None:
     assert not ask(aten.sin.default, x) and not ask(aten.clone.default, x)
     # In place: the output is self, but a mutation, not a view.
     assert not ask(aten.add_.Tensor, x.clone(), 1.0)
+
+
+def test_checkpoint_error_is_torchs():
+    """Code written for torch (``except torch.utils.checkpoint.CheckpointError``) catches ours after the
+    drop-in swap, from every place it is importable."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    import ckpt_lab
+    from ckpt_lab.errors import CheckpointError
+    from ckpt_lab.nonreentrant import CheckpointError as from_nonreentrant
+
+    assert ckpt_lab.CheckpointError is CheckpointError is from_nonreentrant
+    assert issubclass(CheckpointError, torch_checkpoint.CheckpointError)
+    assert issubclass(CheckpointError, RuntimeError)
+    x = torch.ones(2, requires_grad=True)
+    calls = []
+
+    def changes_shape(t):
+        calls.append(1)
+        return t.sin() if len(calls) == 1 else t[:1].sin()
+
+    out = ckpt_lab.checkpoint(changes_shape, x, use_reentrant=False)
+    try:
+        out.sum().backward()
+    except torch_checkpoint.CheckpointError as error:
+        assert type(error) is CheckpointError
+    else:
+        raise AssertionError("the shape change was not caught")
