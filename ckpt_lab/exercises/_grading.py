@@ -314,7 +314,9 @@ def grade_file(exercise: Exercise, path: str | os.PathLike) -> Report:
             left = state_left_behind(before)
             if left:
                 restore_state(before)
-                message = "\n".join(filter(None, [message, left]))
+                # Said once: a check may have said it already (the scope's checks end by asking for it).
+                if "left behind" not in (message or "").lower():
+                    message = "\n".join(filter(None, [message, left]))
             status = "passed" if message is None else "todo" if todo is not None else "failed"
             outcomes.append(Outcome(check, status, message or ""))
             if message is not None and check.basic:
