@@ -242,13 +242,13 @@ def _grading() -> Iterator[None]:
 
     * ``gc.freeze()``: the instruments collect garbage before each reading; with everything that
       existed before grading frozen, that costs microseconds instead of a full collection (a
-      notebook kernel holds many objects);
+      notebook kernel holds many objects). Garbage frozen with it is collected after ``unfreeze``;
+      what grading measures is made during grading, never frozen;
     * one intra-op thread: the graders' tensors are tiny, and on a busy machine several threads per
       op cost a hundred times more than they save;
     * warnings (torch's reentrant checkpoint warns, for one) are the checks' business, not the page's.
     """
     threads = torch.get_num_threads()
-    gc.collect()
     gc.freeze()
     torch.set_num_threads(1)
     try:
