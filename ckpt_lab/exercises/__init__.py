@@ -1,0 +1,116 @@
+"""Exercises: rebuild a stage yourself, and have it graded by the package's own instruments.
+
+Each exercise is a stub the learner fills in and a grader that runs it. The grader says more than
+pass or fail: which tensor the learner's checkpoint keeps that it should not (shape, bytes, the op
+and the line that made it), how many times the block ran, which gradient differs and where, what
+was left behind (a hook on the stack, a dispatch mode, grad mode off).
+
+Where things live:
+
+* **the stubs**: ``notebooks/exercises/NN_name.py``, where JupyterLab (``make lab``, which serves
+  ``notebooks/``) opens them, and a pristine copy in ``ckpt_lab/exercises/stubs/`` (the two are kept
+  identical by the tests) from which ``python -m ckpt_lab.exercises stubs DIR`` writes a set to hand out;
+* **the graders**: ``ckpt_lab/exercises/exNN_name.py``, one per exercise, its checks in order;
+* **the reference solutions**: ``ckpt_lab/exercises/solutions/NN_name.py``, written as a learner
+  would (torch only), graded in the tests with the catalogued mistakes, each a one-line change of
+  them (``tests/test_exercises.py``). ``stubs`` never writes them.
+
+In a notebook::
+
+    from ckpt_lab.exercises import check
+    check("02-checkpoint-function", "exercises/02_checkpoint_function.py")
+
+From a shell: ``python -m ckpt_lab.exercises list | check NAME FILE... | stubs DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from pathlib import Path
+
+from ckpt_lab.exercises._grading import Check, Exercise, Outcome, Report, grade_file, load_any
+
+__all__ = [
+    "EXERCISES",
+    "Check",
+    "Exercise",
+    "Outcome",
+    "Report",
+    "check",
+    "exercise",
+    "grade",
+    "load_file",
+    "write_stubs",
+]
+
+
+def _exercises() -> dict[str, Exercise]:
+    from ckpt_lab.exercises import (
+        ex01_requires_grad,
+        ex02_checkpoint_function,
+        ex02b_segments,
+        ex03_pack_unpack,
+        ex03b_checkpoint,
+        ex05_selective_budget,
+        ex07_memory_target,
+    )
+
+    found = [
+        ex01_requires_grad.EXERCISE,
+        ex02_checkpoint_function.EXERCISE,
+        ex02b_segments.EXERCISE,
+        ex03_pack_unpack.EXERCISE,
+        ex03b_checkpoint.EXERCISE,
+        ex05_selective_budget.EXERCISE,
+        ex07_memory_target.EXERCISE,
+    ]
+    return {e.name: e for e in found}
+
+
+EXERCISES: dict[str, Exercise] = _exercises()
+
+
+def exercise(name: str) -> Exercise:
+    """The exercise called ``name`` ("02-checkpoint-function"), or by its number alone ("02")."""
+    if name in EXERCISES:
+        return EXERCISES[name]
+    by_number = [e for e in EXERCISES.values() if e.name.split("-")[0] == name]
+    if len(by_number) == 1:
+        return by_number[0]
+    raise KeyError(f"no exercise {name!r}; the exercises are: {', '.join(EXERCISES)}")
+
+
+def grade(name: str, path: str | os.PathLike) -> Report:
+    """Grade the file ``path`` for exercise ``name``; ``str(report)`` is the feedback."""
+    return grade_file(exercise(name), path)
+
+
+def load_file(path: str | os.PathLike) -> types.ModuleType:
+    """Run a learner's file and return it as a module, to try things on it in a notebook::
+
+        ex07 = load_file("exercises/07_memory_target.py")
+        model, x, loss_fn = ex07.make_model()
+
+    The file is read again at each call (edit it, load it again)."""
+    return load_any(path)
+
+
+def check(name: str, path: str | os.PathLike) -> None:
+    """Grade the file and print the report (the "Your turn" cells of the notebooks call this)."""
+    print(grade(name, path))
+
+
+def write_stubs(folder: str | os.PathLike, names: list[str] | None = None, force: bool = False) -> list[Path]:
+    """Write the stubs (never the solutions) of ``names`` (all by default) into ``folder``; an existing
+    file is kept unless ``force``. Returns the files written."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for e in [exercise(n) for n in names] if names else EXERCISES.values():
+        target = folder / e.file_name
+        if target.exists() and not force:
+            continue
+        target.write_text(e.stub_path.read_text())
+        written.append(target)
+    return written

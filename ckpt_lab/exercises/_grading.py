@@ -1,0 +1,335 @@
+"""The grading machinery: load a learner's file, run an exercise's checks on it, say what happened.
+
+A **check** is a function of the loaded file that returns when the file passes it and raises
+``AssertionError`` with a message for the learner when it does not (the same contract as a pytest
+test, so that a module of mechanism checks, such as the scope's, plugs in as it is). Everything
+else a check raises is the learner's code failing: reported as "your code raised ..." with the line
+of the learner's file it came from; ``NotImplementedError`` means the stub is not filled in yet.
+
+Around every check the grader reads ``ckpt_lab.instruments.global_state()`` and, if the check left
+hooks, dispatch modes or grad mode behind, says so and puts them back: one check's leftovers never
+spoil the next one's measurements (or the notebook the grader runs in).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.util
+import itertools
+import os
+import sys
+import traceback
+import types
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt_lab.exercises._feedback import restore_state, state_left_behind
+from ckpt_lab.instruments import global_state
+
+__all__ = [
+    "Check",
+    "Exercise",
+    "LoadError",
+    "Outcome",
+    "Report",
+    "Submission",
+    "error_text",
+    "grade_file",
+    "load",
+    "load_any",
+]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One thing an exercise grades: ``run(submission)`` returns, or raises ``AssertionError(feedback)``."""
+
+    id: str  # short and stable, what tests and teachers refer to: "keeps-only-inputs"
+    title: str  # what it checks, in the learner's words
+    run: Callable[[Submission], None]
+    # A basic check failing makes the rest meaningless (the function does not even return): skip them.
+    basic: bool = False
+    # Checks that must pass first, else this one is skipped (its failure would repeat theirs).
+    needs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """An exercise: what the learner's file must define, where it is taught, and its checks."""
+
+    name: str  # "02-checkpoint-function": what `check` and the command line take
+    notebook: str  # "02"
+    section: str  # "§3 and §8": where the notebook builds what the exercise asks for
+    defines: str  # what the file must define, as the list line shows it
+    grades: str  # what is graded, one line (the README's table)
+    required: tuple[str, ...]  # the names the file must define
+    checks: Callable[[], list[Check]]  # built on demand: exercise 04's come from another module
+
+    @property
+    def file_name(self) -> str:
+        """``02_checkpoint_function.py``: the stub's and the reference solution's file name."""
+        number, _, rest = self.name.partition("-")
+        return f"{number}_{rest.replace('-', '_')}.py"
+
+    @property
+    def where_taught(self) -> str:
+        return f"notebook {self.notebook} {self.section}"
+
+    @property
+    def stub_path(self) -> Path:
+        return Path(__file__).parent / "stubs" / self.file_name
+
+    @property
+    def solution_path(self) -> Path:
+        return Path(__file__).parent / "solutions" / self.file_name
+
+
+@dataclass
+class Submission:
+    """A learner's file, loaded: its names (``submission.CheckpointFunction``), where it lives, and
+    how to name a line of it in feedback (by the path the learner gave, never an absolute one)."""
+
+    module: types.ModuleType
+    path: Path  # resolved
+    shown: str  # as given: "exercises/02_checkpoint_function.py"
+    # Measurements several checks read (two training steps, say), made once per grading.
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    def once(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()`` the first time, its result after (an exception is not kept: it raises again)."""
+        if key not in self.cache:
+            self.cache[key] = compute()
+        return self.cache[key]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+    def line(self, frame: types.FrameType | None = None) -> str | None:
+        """``exercises/02_checkpoint_function.py:23 (in CheckpointFunction.forward)`` for the
+        innermost frame of this file on the stack above ``frame`` (the caller's by default)."""
+        frame = frame or sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_filename == str(self.path):
+                return f"{self.shown}:{frame.f_lineno} (in {frame.f_code.co_qualname})"
+            frame = frame.f_back
+        return None
+
+    def line_of(self, error: BaseException) -> str | None:
+        """The innermost line of this file in ``error``'s traceback."""
+        found = None
+        for frame, lineno in traceback.walk_tb(error.__traceback__):
+            if frame.f_code.co_filename == str(self.path):
+                found = f"{self.shown}:{lineno} (in {frame.f_code.co_qualname})"
+        return found
+
+
+class LoadError(Exception):
+    """The file does not load: missing, a syntax error, an import that fails, a name it lacks."""
+
+
+_loaded = itertools.count()
+
+
+def load_any(path: str | os.PathLike) -> types.ModuleType:
+    """Run a file as a fresh module (each call reads it again: the learner edits it and checks again)."""
+    return load_submission(path).module
+
+
+def load(exercise: Exercise, path: str | os.PathLike) -> Submission:
+    """Load the learner's file and check that it defines what the exercise asks for."""
+    submission = load_submission(path)
+    missing = [n for n in exercise.required if not hasattr(submission.module, n)]
+    if missing:
+        raise LoadError(
+            f"{submission.shown} defines no {', '.join(f'`{n}`' for n in missing)}: exercise {exercise.name} "
+            f"needs {exercise.defines} (the stub from `python -m ckpt_lab.exercises stubs DIR` has them)."
+        )
+    return submission
+
+
+def load_submission(path: str | os.PathLike) -> Submission:
+    shown = str(path)
+    resolved = Path(path).resolve()
+    if not resolved.is_file():
+        raise LoadError(f"no such file: {shown}")
+    name = f"_ckpt_lab_exercise_{next(_loaded)}"
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # In sys.modules while it runs (dataclasses and typing look their module up), not after.
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as error:
+        raise LoadError(f"SyntaxError at {shown}:{error.lineno}: {error.msg}") from None
+    except Exception as error:  # anything the file runs at import: report it, never crash the grader
+        where = Submission(module, resolved, shown).line_of(error)
+        raise LoadError(f"{type(error).__name__} at {where or shown}: {error}") from None
+    finally:
+        sys.modules.pop(name, None)
+    return Submission(module, resolved, shown)
+
+
+# ------------------------------------------------------------------------------------------ reports
+@dataclass(frozen=True)
+class Outcome:
+    check: Check
+    status: str  # "passed", "failed", "todo" (the learner's code raised NotImplementedError), "skipped"
+    message: str = ""
+
+
+@dataclass
+class Report:
+    """What grading one file found. ``str(report)`` is what the learner reads."""
+
+    exercise: Exercise
+    shown: str
+    status: str  # "passed", "failed", "not implemented", "did not load"
+    outcomes: list[Outcome] = field(default_factory=list)
+    reason: str = ""  # for "not implemented" and "did not load"
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    @property
+    def exit_code(self) -> int:
+        """0 passed, 1 not passed (a check failed, or not implemented yet), 2 the file does not load."""
+        return {"passed": 0, "did not load": 2}.get(self.status, 1)
+
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == "failed"]
+
+    def message(self, check_id: str) -> str:
+        """The feedback of the check ``check_id`` ("" if it passed or did not run)."""
+        return next((o.message for o in self.outcomes if o.check.id == check_id), "")
+
+    def __str__(self) -> str:
+        lines = [f"{self.exercise.name}: {self.shown}"]
+        taught = self.exercise.where_taught
+        if self.status == "did not load":
+            return "\n".join([*lines, f"DID NOT LOAD: {self.reason}"])
+        if self.status == "not implemented":
+            return "\n".join(
+                [*lines, f"NOT IMPLEMENTED YET: {self.reason}",
+                 f"Read {taught}, fill in the file, then check it again."]
+            )  # fmt: skip
+        for o in self.outcomes:
+            mark = {"passed": "ok     ", "failed": "FAILED ", "todo": "TODO   ", "skipped": "skipped"}[
+                o.status
+            ]
+            lines.append(f"  {mark} {o.check.title}")
+            if o.message:
+                lines += [f"            {line}" if line else "" for line in o.message.splitlines()]
+        passed = sum(o.status == "passed" for o in self.outcomes)
+        if self.passed:
+            lines.append(f"PASSED: all {passed} checks.")
+        else:
+            lines.append(f"FAILED: {passed} of {len(self.outcomes)} checks passed. See {taught}.")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ grading
+@contextlib.contextmanager
+def _grading() -> Iterator[None]:
+    """What grading changes in the process, put back afterwards.
+
+    * ``gc.freeze()``: the instruments collect garbage before each reading; with everything that
+      existed before grading frozen, that costs microseconds instead of a full collection (a
+      notebook kernel holds many objects). Garbage frozen with it is collected after ``unfreeze``;
+      what grading measures is made during grading, never frozen;
+    * one intra-op thread: the graders' tensors are tiny, and on a busy machine several threads per
+      op cost a hundred times more than they save;
+    * warnings (torch's reentrant checkpoint warns, for one) are the checks' business, not the page's.
+    """
+    threads = torch.get_num_threads()
+    gc.freeze()
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch.set_num_threads(threads)
+        gc.unfreeze()
+
+
+def error_text(error: BaseException, limit: int = 400) -> str:
+    """The exception's message, cut to ``limit`` characters (a KeyError's message can be a whole tensor)."""
+    said = str(error).strip() or "(no message)"
+    return said if len(said) <= limit else said[:limit].rstrip() + " ..."
+
+
+def _raised(error: BaseException, submission: Submission) -> str:
+    where = submission.line_of(error)
+    return f"Your code raised {type(error).__name__}{f' at {where}' if where else ''}:\n{error_text(error)}"
+
+
+def _not_implemented(error: NotImplementedError, submission: Submission) -> str:
+    """What is not implemented: the function of the learner's file that raised, or the grader's words."""
+    frames = [
+        f for f, _ in traceback.walk_tb(error.__traceback__) if f.f_code.co_filename == str(submission.path)
+    ]
+    if frames:
+        return f"{frames[-1].f_code.co_qualname} raises NotImplementedError"
+    return str(error).strip() or "the file's functions raise NotImplementedError"
+
+
+def grade_file(exercise: Exercise, path: str | os.PathLike) -> Report:
+    """Grade one file: every check in order, each one's leftovers cleared before the next."""
+    shown = str(path)
+    with _grading():
+        try:
+            submission = load(exercise, path)
+        except LoadError as error:
+            return Report(exercise, shown, "did not load", reason=str(error))
+        outcomes: list[Outcome] = []
+        stop = None
+        for check in exercise.checks():
+            if stop is not None:
+                outcomes.append(Outcome(check, "skipped", f"not run: `{stop}` failed first"))
+                continue
+            unmet = [o.check.id for o in outcomes if o.check.id in check.needs and o.status != "passed"]
+            if unmet:
+                outcomes.append(Outcome(check, "skipped", f"not run until `{unmet[0]}` passes"))
+                continue
+            before = global_state()
+            message = None
+            todo = None
+            try:
+                check.run(submission)
+            except NotImplementedError as error:
+                todo = _not_implemented(error, submission)
+                message = f"not implemented yet: {todo}"
+            except AssertionError as error:
+                message = str(error) or "failed (no message)"
+            except Exception as error:  # the learner's code failed: say where, in their file
+                message = _raised(error, submission)
+            # What makes a basic check stop the rest: its own failure, not leftovers (said, and undone).
+            own_failure = message is not None
+            left = state_left_behind(before)
+            if left:
+                restore_state(before)
+                # Said once: a check may have said it already (the scope's checks end by asking for it).
+                if "left behind" not in (message or "").lower():
+                    message = "\n".join(filter(None, [message, left]))
+            status = "passed" if message is None else "todo" if todo is not None else "failed"
+            outcomes.append(Outcome(check, status, message or ""))
+            if own_failure and check.basic:
+                stop = check.id
+        todos = list(
+            dict.fromkeys(
+                o.message.removeprefix("not implemented yet: ") for o in outcomes if o.status == "todo"
+            )
+        )
+        if todos and all(o.status in ("todo", "skipped") for o in outcomes):
+            # Nothing filled in yet: the short report, the same every time for an untouched stub.
+            return Report(exercise, shown, "not implemented", outcomes, reason="; ".join(todos) + ".")
+        status = "passed" if all(o.status == "passed" for o in outcomes) else "failed"
+        return Report(exercise, shown, status, outcomes)
