@@ -4,8 +4,8 @@ For every aten op of the step it asks where the op stands (``regions.py``: its r
 whether backward is re-running one), lets the op run (through ``LiveMemory``, below it, which gives
 each new storage its serial: NOTE [ Two modes ] in ``__init__.py``), and stamps each new storage with
 a ``_Birth``: the op, the module running, the caller's line, the regions. In forward it also notes
-which storages a later op reads from outside the region that made them (NOTE [ Regions ]); in
-backward, the spans of events that re-run or reload a region.
+which storages a later op reads from outside the region that made them (NOTE [ Regions ] in
+``regions.py``); in backward, the spans of events that re-run or reload a region.
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ class _Regions:
         if backward:
             return self._backward_context(module, "" if line_outside else line, unpacked)
         chain = _hook_chain(self, scope)
-        # Function forwards are taken to be inside the hooks (see the blind spots).
+        # Function forwards are taken to be inside the hooks (the blind spots in ``__init__.py``).
         chain += [self._function_region(code, ctx) for code, ctx in reversed(functions)]
         if selective_mode:
             # The innermost checkpoint is the one whose context_fn entered the caching mode.
