@@ -75,7 +75,8 @@ __all__ = [
 def explain(
     function: Callable[..., Any], *args: Any, loss_fn: Callable[[Any], Any] | None = None, **kwargs: Any
 ) -> Report:
-    """Run ``function(*args, **kwargs)`` and its backward once; report what the forward kept.
+    """Run ``function(*args, **kwargs)`` and its backward once; report what the forward kept, and
+    what was alive at the peak.
 
     The loss is ``loss_fn(output)`` (summed if not a scalar), else the sum of the output's tensors.
     Gradients land in ``.grad`` as after any training step; nothing else is left behind.
