@@ -24,8 +24,11 @@ forward and backward, storage by storage, and why (``ckpt_lab.explain``). The ha
 strategies, ``python -m ckpt_lab.bench``).
 """
 
+import sys
+import types
+from typing import Any
+
 from ckpt_lab.errors import CheckpointError
-from ckpt_lab.explain import explain as explain
 from ckpt_lab.instruments.counting import CallCounter, OpCounter, count_flops
 from ckpt_lab.instruments.memory import LiveMemory, MemoryReport, measure_memory
 from ckpt_lab.instruments.saved import SavedTensorLog
@@ -57,3 +60,31 @@ __all__ = [
     "set_checkpoint_debug_enabled",
     "set_checkpoint_early_stop",
 ]
+
+
+# NOTE [ explain on first use ]
+# ``ckpt_lab.explain`` is the function ``explain`` (``ckpt_lab.explain(model, x)``, ``from ckpt_lab
+# import explain``), imported when first used, so that ``import ckpt_lab`` does not pay for it. Not a
+# module ``__getattr__``: importing the subpackage of the same name (``from ckpt_lab.explain import
+# zoo``) makes importlib set this module's attribute ``explain`` to the subpackage, which would hide
+# the function from then on. A property of this module's class keeps the function there.
+class _Package(types.ModuleType):
+    @property
+    def explain(self) -> Any:
+        if "_explain" not in self.__dict__:
+            from ckpt_lab.explain import explain
+
+            self.__dict__["_explain"] = explain
+        return self.__dict__["_explain"]
+
+    @explain.setter
+    def explain(self, value: Any) -> None:
+        # importlib binding the subpackage: ignored. Anything else (a test's monkeypatch) is kept.
+        if value is not sys.modules.get(f"{__name__}.explain"):
+            self.__dict__["_explain"] = value
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), "explain"} - {"_explain"})
+
+
+sys.modules[__name__].__class__ = _Package

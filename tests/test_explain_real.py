@@ -1,6 +1,6 @@
 """``explain`` on a model people really train (GPT-2 from transformers, ``ckpt_lab.explain.real``):
 every way to checkpoint it gives the plain step's gradients, and explain's numbers are the
-instruments', to the byte."""
+instruments', to the byte, the peak's ledger included."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ckpt_lab.explain.__main__ import main
 from ckpt_lab.explain.real import VARIANTS, checkpointed_layers, gpt2, use_checkpoint_function
 from ckpt_lab.instruments.memory import measure_memory
 from ckpt_lab.instruments.state import assert_no_global_state
+from test_explain import check_ledger
 
 matplotlib.use("Agg")
 
@@ -60,6 +61,18 @@ def test_numbers_match_the_instruments_to_the_byte(name: str) -> None:
     timeline = report.timeline
     assert timeline.live_bytes[timeline.backward_start - 1] == report.retained_bytes
     assert sum(h.bytes for h in report.parameters) == sum(p.nbytes for p in model.parameters())
+    # Every storage alive at the peak, by role: they add up to measure_memory's peak_bytes.
+    check_ledger(report, reference)
+    ledger = report.peak_ledger
+    assert ledger.phase == "backward"
+    if name == "plain":
+        # The peak comes early in backward: what the forward kept (the model's own loss among it),
+        # and backward's work on the loss and the last layers; nothing re-run.
+        assert list(ledger.roles) == ["kept for backward", "made by the loss", "backward temporaries"]
+    if name in ("transformers' switch", "ckpt_lab.checkpoint in the switch"):
+        # Past the last block's re-run, some weights' gradients are made: listed, not counted.
+        assert ledger.not_counted["leaves' gradients"] > 0
+        assert any(label.startswith("re-run of checkpoint #2 (") for label in ledger.roles)
 
 
 @pytest.mark.parametrize("name", [n for n in VARIANTS if n != "plain"])
