@@ -84,5 +84,13 @@ compat: check-python
 	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=2.14.1 [PYTHON=python3.12]"; exit 2; }
 	$(PYTHON) tools/compat.py --torch $(TORCH) --python $(PYTHON)
 
+## gpu-check: on a machine with CUDA, every CUDA test and the benchmark's workloads on the GPU, into
+## OUT (results/gpu-check by default): gpu_check.json and summary.txt. Without CUDA, a dry run on the
+## CPU. No venv setup: runs with .venv's python if there is one, else python3 (GPU_PYTHON=... to choose).
+OUT ?= results/gpu-check
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m ckpt_lab.gpu_check --out $(OUT)
+
 clean:
 	rm -rf $(VENV)
