@@ -16,9 +16,11 @@ fails if anything appeared. nbval is not run: the notebooks' stored outputs belo
 torch. The summary: torch and Python versions, what pip says about the pins, passed / failed /
 skipped per test file, and how long the install and the tests took.
 
-torch goes in first, then the pinned rest on top of it: where torch's own requirements contradict a
-pin (torch 2.11 wants setuptools < 82; the notebooks' torchviz needs the pinned one), the pin wins
-and the summary quotes ``pip check``.
+torch goes in first, then the pinned rest with ``torch==VERSION`` again (so that pip's resolver can
+never swap torch for a release that suits the pins). Where a pin contradicts torch's own
+requirements (torch 2.11 wants setuptools < 82; requirements.txt pins 84.2.1 for the notebooks'
+torchviz), torch's requirement wins, and the summary says so. A run whose environment ends up with
+another torch than asked for fails.
 """
 
 from __future__ import annotations
@@ -137,32 +139,76 @@ def table(counts: dict[str, Counter]) -> str:
     return "\n".join(lines)
 
 
-def ensure_venv(args: argparse.Namespace, venv: Path) -> tuple[str, float, str]:
-    """Build (or reuse) the environment; returns its python, the install's seconds, pip check's say."""
+# Run inside the environment (pip's own copy of packaging is there): which pins of the rest contradict
+# what the installed torch itself requires, and torch's requirement for each.
+_CONFLICTS = """
+import json, sys, importlib.metadata as md
+from pip._vendor.packaging.requirements import Requirement
+from pip._vendor.packaging.utils import canonicalize_name as canon
+own = [Requirement(r) for r in md.requires("torch") or []]
+own = [r for r in own if r.marker is None or r.marker.evaluate({"extra": ""})]
+found = {}
+for pin in json.loads(sys.argv[1]):
+    p = Requirement(pin)
+    version = next(iter(p.specifier)).version if len(p.specifier) == 1 else None
+    for r in own:
+        if canon(r.name) == canon(p.name) and version and not r.specifier.contains(version, prereleases=True):
+            found[pin] = str(r).split(";")[0].strip()
+print(json.dumps(found))
+"""
+
+
+def ensure_venv(args: argparse.Namespace, venv: Path) -> tuple[str, float, str, dict[str, str]]:
+    """Build (or reuse) the environment; returns its python, the install's seconds, what pip check
+    says, and the pins that gave way to torch's own requirements."""
     python = str(venv / "bin" / "python")
     rest = pinned_rest(CHECKOUT / "requirements.txt")
-    stamp_text = json.dumps({"torch": args.torch, "rest": rest}, sort_keys=True)
+    stamp_text = json.dumps({"torch": args.torch, "rest": rest, "recipe": 2}, sort_keys=True)
     digest = hashlib.sha256(stamp_text.encode()).hexdigest()[:16]
     stamp = venv / ".ckpt_lab-compat"
+    replaced_file = venv / "replaced-pins.json"
     if not args.dry_run and stamp.is_file() and stamp.read_text().strip() == digest:
         print(f"reusing {venv} (torch {args.torch}, requirements.txt's pins unchanged)", flush=True)
-        return python, 0.0, ""
+        replaced = json.loads(replaced_file.read_text()) if replaced_file.is_file() else {}
+        return python, 0.0, "", replaced
     start = time.perf_counter()
     if args.dry_run or not Path(python).is_file():
         run([args.python, "-m", "venv", str(venv)], args.dry_run, check=True)
+    pip = [python, "-m", "pip", "install", "--quiet"]
+    # torch first, with its own requirements.
+    run([*pip, f"torch=={args.torch}"], args.dry_run, check=True)
+    # Then the rest as pinned, except where a pin contradicts torch's own requirement (torch 2.11 wants
+    # setuptools < 82): there torch's wins, since torch is what is under test. torch==VERSION goes in
+    # again so that the resolver can never swap torch for a release that suits the pins.
+    found = run([python, "-c", _CONFLICTS, json.dumps(rest)], args.dry_run, capture_output=True, text=True)
+    replaced: dict[str, str] = {}
+    if found is not None:
+        if found.returncode != 0:
+            raise SystemExit(f"could not read torch {args.torch}'s requirements:\n{found.stderr}")
+        replaced = json.loads(found.stdout)
+    effective = [replaced.get(pin, pin) for pin in rest] + [f"torch=={args.torch}"]
     rest_file = venv / "requirements-rest.txt"
     if args.dry_run:
-        print(f"# {rest_file}: {' '.join(rest)}")
+        print(
+            f"# {rest_file}: {' '.join(effective)} (pins that contradict torch's own requirements replaced)"
+        )
     else:
-        rest_file.write_text("\n".join(rest) + "\n")
-    pip = [python, "-m", "pip", "install", "--quiet"]
-    run([*pip, f"torch=={args.torch}"], args.dry_run, check=True)
+        rest_file.write_text("\n".join(effective) + "\n")
     run([*pip, "-r", str(rest_file)], args.dry_run, check=True)
     checked = run([python, "-m", "pip", "check"], args.dry_run, capture_output=True, text=True)
     said = "" if checked is None else (checked.stdout + checked.stderr).strip()
     if not args.dry_run:
+        got = run(
+            [python, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
+            False,
+            capture_output=True,
+            text=True,
+        )
+        if got.stdout.strip().split("+")[0] != args.torch:
+            raise SystemExit(f"{venv} ended up with torch {got.stdout.strip()}, not {args.torch}")
+        replaced_file.write_text(json.dumps(replaced) + "\n")
         stamp.write_text(digest + "\n")
-    return python, time.perf_counter() - start, said
+    return python, time.perf_counter() - start, said, replaced
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --torch VERSION (make compat TORCH=2.14.1), or --interpreter PYTHON")
 
     start = time.perf_counter()
-    install_s, pip_said = 0.0, ""
+    install_s, pip_said, replaced = 0.0, "", {}
     if args.interpreter:
         python = args.interpreter
         where = f"the interpreter {python}, as it is"
@@ -193,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{venv} is inside the checkout: the environment must live outside it")
         where = str(venv)
         print(f"environment: {venv} (torch=={args.torch}, Python {pyver})", flush=True)
-        python, install_s, pip_said = ensure_venv(args, venv)
+        python, install_s, pip_said, replaced = ensure_venv(args, venv)
 
     before = git_state(CHECKOUT)
     scratch = Path(tempfile.mkdtemp(prefix="ckpt_lab-compat-"))
@@ -244,12 +290,16 @@ def main(argv: list[str] | None = None) -> int:
     appeared = sorted(after - before) if before is not None and after is not None else []
 
     torch_version, py = [*versions.stdout.split(), "?", "?"][:2] if versions.returncode == 0 else ("?", "?")
+    if args.torch and torch_version.split("+")[0] != args.torch:
+        print(f"the environment has torch {torch_version}, not {args.torch}: its results would mislead")
+        return 1
     total = sum(counts.values(), Counter())
     summary = {
         "torch": torch_version,
         "python": py,
         "environment": where,
         "pip_check": pip_said,
+        "pins_replaced_by_torch_requirements": replaced,
         "per_file": {k: dict(v) for k, v in sorted(counts.items())},
         "total": dict(total),
         "install_seconds": round(install_s, 1),
@@ -260,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"\n===== compat summary: torch {torch_version}, Python {py} =====")
     print(f"environment: {where}")
+    for pin, own in replaced.items():
+        print(f"pinned {pin} gave way to torch {torch_version}'s own requirement {own}")
     if pip_said and "No broken requirements" not in pip_said:
-        print(f"pip check (the pins win over torch's own requirements):\n  {pip_said}")
+        print(f"pip check:\n  {pip_said}")
     print(table(counts) if counts else "no test results (pytest wrote no report)")
     print(
         f"install {install_s:.0f} s, tests {test_s:.0f} s, total {summary['total_seconds']:.0f} s; "
