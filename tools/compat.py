@@ -89,9 +89,11 @@ def git_state(folder: Path) -> set[str] | None:
     return set(out.stdout.splitlines()) if out.returncode == 0 else None
 
 
-def run(cmd: list[str], dry: bool, **kwargs) -> subprocess.CompletedProcess | None:
+def run(
+    cmd: list[str], dry: bool, show: list[str] | None = None, **kwargs
+) -> subprocess.CompletedProcess | None:
     env = kwargs.get("env")
-    shown = shlex.join(cmd)
+    shown = shlex.join(show or cmd)
     if env is not None:
         extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
         shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(extra.items())) + " " + shown
@@ -180,7 +182,13 @@ def ensure_venv(args: argparse.Namespace, venv: Path) -> tuple[str, float, str, 
     # Then the rest as pinned, except where a pin contradicts torch's own requirement (torch 2.11 wants
     # setuptools < 82): there torch's wins, since torch is what is under test. torch==VERSION goes in
     # again so that the resolver can never swap torch for a release that suits the pins.
-    found = run([python, "-c", _CONFLICTS, json.dumps(rest)], args.dry_run, capture_output=True, text=True)
+    found = run(
+        [python, "-c", _CONFLICTS, json.dumps(rest)],
+        args.dry_run,
+        show=[python, "-c", "<tools/compat.py: _CONFLICTS>", json.dumps(rest)],
+        capture_output=True,
+        text=True,
+    )
     replaced: dict[str, str] = {}
     if found is not None:
         if found.returncode != 0:
