@@ -17,9 +17,11 @@ overrides or sets one that torch reads (``_should_skip_dynamo``, ``_boxed_call``
 name starts with an underscore (``torch.ops.aten._to_copy``) are listed too: they are part of the
 operator set, stable, but not promised.
 
-Checked on: torch 2.11.0 (Python 3.12 and 3.11), 2.13.0 (the pinned one) and 2.14.1, by this
-list's test in ``make compat`` runs: every name below exists on each (``CHECKED_ON``). ``absent_on``
-names the checked releases an entry is missing from.
+Checked on: torch 2.11.0 (Python 3.12), 2.13.0 (the pinned one) and 2.14.1 (Python 3.11), by this
+list's test in ``make compat`` runs: every name below exists on each (``CHECKED_ON``), and the
+signatures the package calls (``_unsafe_set_version_counter`` takes sequences, the pack hooks are
+code constants of ``__init__``) are the same. ``absent_on`` names the checked releases an entry is
+missing from.
 
 ``if_missing`` says what the package does on a torch without it: ``fallback`` (it works on,
 gradients exact, perhaps slower or with less to report), or ``error`` (the feature that needs it
@@ -34,9 +36,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CHECKED_ON", "PRIVATE_API", "PrivateUse", "missing", "resolve"]
+__all__ = ["CHECKED_ON", "PRIVATE_API", "PrivateUse", "missing", "missing_error", "optional", "resolve"]
 
-# The releases this list was checked on (the whole test suite passed on each: README, "Compatibility").
+# The releases this list was checked on (tests/test_torch_private.py passed under each; the README's
+# "Torch versions" says how the rest of the suite fared).
 CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
 
 
@@ -474,6 +477,27 @@ def _torch_reads(attr: str) -> str:
             if attr in file.read_text(errors="ignore"):
                 return str(file.relative_to(root.parent))
     raise AttributeError(f"torch {torch.__version__} no longer mentions {attr!r}")
+
+
+def optional(path: str) -> Any:
+    """The object ``path`` names on the running torch, or None where it lacks it: for a use whose entry
+    says ``fallback``, so that the module can take its fallback."""
+    try:
+        return resolve(path)
+    except (ImportError, AttributeError):
+        return None
+
+
+def missing_error(path: str, feature: str) -> RuntimeError:
+    """The error for a use whose entry says ``error``: which feature, which private name, which torch
+    (``raise missing_error("torch._C._AutoDispatchBelowAutograd", "gradient_checkpoint_scope")``)."""
+    import torch
+
+    return RuntimeError(
+        f"{feature} needs torch's private {path}, which torch {torch.__version__} lacks. ckpt_lab was "
+        f"checked on torch {', '.join(CHECKED_ON)}: use one of those, or see NOTE [ Private torch API ] "
+        "in ckpt_lab/torch_private.py for what each private name is for."
+    )
 
 
 def missing() -> list[PrivateUse]:

@@ -240,6 +240,18 @@ def test_every_listed_private_name_exists_on_this_torch(use: torch_private.Priva
         ) from None
 
 
+def test_optional_and_missing_error_name_the_feature_and_the_torch() -> None:
+    assert torch_private.optional("torch._C._current_graph_task_id") is torch._C._current_graph_task_id
+    assert torch_private.optional("torch._C._no_such_private_name") is None
+    assert torch_private.optional("torch._no_such_module.x") is None
+    error = torch_private.missing_error("torch._C._no_such_private_name", "gradient_checkpoint_scope")
+    assert isinstance(error, RuntimeError)
+    assert str(error).startswith(
+        f"gradient_checkpoint_scope needs torch's private torch._C._no_such_private_name, which torch "
+        f"{torch.__version__} lacks. ckpt_lab was checked on torch 2.11.0, 2.13.0, 2.14.1"
+    )
+
+
 def test_every_entry_says_what_happens_without_it() -> None:
     for use in PRIVATE_API:
         assert use.if_missing.split(":")[0] in ("fallback", "error"), use.path
