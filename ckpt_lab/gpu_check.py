@@ -129,7 +129,12 @@ def run_tests(out: Path, timeout: float) -> dict[str, Any]:
             exit_code, output = done.returncode, done.stdout + done.stderr
         except subprocess.TimeoutExpired as expired:
             exit_code = None
-            output = f"{expired.stdout or ''}{expired.stderr or ''}\n[timed out after {timeout:.0f} s]"
+            # Bytes here whatever text= says (subprocess's documentation).
+            said = [
+                o.decode(errors="replace") if isinstance(o, bytes) else o or ""
+                for o in (expired.output, expired.stderr)
+            ]
+            output = "".join(said) + f"\n[timed out after {timeout:.0f} s]"
     log.write_text(output)
     result: dict[str, Any] = {
         "files": [f.name for f in files],
