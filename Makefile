@@ -10,7 +10,7 @@ LAB_FLAGS := $(if $(filter 0,$(shell id -u)),--allow-root) \
 	$(if $(or $(DISPLAY),$(WAYLAND_DISPLAY),$(filter Darwin,$(shell uname -s))),,--no-browser)
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
 
-.PHONY: setup lab test lint unit nbval notebooks bench pareto check-dot check-python clean
+.PHONY: setup lab test lint unit nbval notebooks bench pareto compat gpu-check check-dot check-python clean
 
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.json
 
@@ -75,6 +75,22 @@ bench: setup
 ## rewrites images/05_pareto.png
 pareto: setup
 	$(BIN)/python -m ckpt_lab.bench.pareto --refresh-readme --compile
+
+## compat: the unit tests under another torch (make compat TORCH=2.14.1 [PYTHON=python3.12]), in a
+## virtual environment outside the checkout (~/.cache/ckpt_lab/venv-torch-VERSION-pyX.Y, reused);
+## not part of make test (the torch wheels are large). tools/compat.py --help for the rest.
+TORCH ?=
+compat: check-python
+	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=2.14.1 [PYTHON=python3.12]"; exit 2; }
+	$(PYTHON) tools/compat.py --torch $(TORCH) --python $(PYTHON)
+
+## gpu-check: on a machine with CUDA, every CUDA test and the benchmark's workloads on the GPU, into
+## OUT (results/gpu-check by default): gpu_check.json and summary.txt. Without CUDA, a dry run on the
+## CPU. No venv setup: runs with .venv's python if there is one, else python3 (GPU_PYTHON=... to choose).
+OUT ?= results/gpu-check
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m ckpt_lab.gpu_check --out $(OUT)
 
 clean:
 	rm -rf $(VENV)

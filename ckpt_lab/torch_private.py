@@ -1,0 +1,526 @@
+"""Every private torch API ckpt_lab uses, in one place: NOTE [ Private torch API ].
+
+    python -m ckpt_lab.torch_private      # which of them this torch has
+
+A learner's torch is the torch of the day, and an engineer's is whatever their cluster runs; the
+package reaches below torch's public API where the mechanism it teaches lives there (the saved-tensor
+hooks stack, dispatch below autograd, the graph task). This module is the list: each use, where it
+is, what it is for, and what happens on a torch without it. tests/test_torch_private.py checks that
+every name listed exists on the running torch (or that its entry says what replaces it), and that
+every private name the package's source uses is listed here, so that the list cannot drift.
+
+NOTE [ Private torch API ]
+A use is private when its path from ``torch`` has a component that starts with one underscore
+(``torch._C._current_graph_task_id``, ``torch.utils._pytree.tree_flatten``), when it reads one
+of torch's underscore attributes off an object (``tensor._base``), or when a class of ours
+overrides or sets one that torch reads (``_should_skip_dynamo``, ``_boxed_call``). ATen ops whose
+name starts with an underscore (``torch.ops.aten._to_copy``) are listed too: they are part of the
+operator set, stable, but not promised.
+
+Checked on: torch 2.11.0 (Python 3.12), 2.13.0 (the pinned one) and 2.14.1 (Python 3.11), by this
+list's test in ``make compat`` runs: every name below exists on each (``CHECKED_ON``), and the
+signatures the package calls (``_unsafe_set_version_counter`` takes sequences, the pack hooks are
+code constants of ``__init__``) are the same. ``absent_on`` names the checked releases an entry is
+missing from.
+
+``if_missing`` says what the package does on a torch without it: ``fallback`` (it works on,
+gradients exact, perhaps slower or with less to report), or ``error`` (the feature that needs it
+fails; the entry names the feature). Where ``today`` differs from the plan (the fallback or the
+clear error is not written yet), the entry says so: that is work to do, not a promise kept.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CHECKED_ON", "PRIVATE_API", "PrivateUse", "missing", "missing_error", "optional", "resolve"]
+
+# The releases this list was checked on (tests/test_torch_private.py passed under each; the README's
+# "Torch versions" says how the rest of the suite fared).
+CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
+
+
+@dataclass(frozen=True)
+class PrivateUse:
+    """One private name: ``path`` from ``torch``; ``torch.Tensor()._base`` means an attribute of an
+    instance (see ``_SAMPLES``)."""
+
+    path: str
+    where: str  # module: function, as of this writing (the test matches names, not places)
+    why: str
+    if_missing: str  # "fallback: ..." or "error: ..."
+    today: str = ""  # where the code does not do ``if_missing`` yet: what it does instead
+    absent_on: tuple[str, ...] = ()
+
+
+_IMPORT_ERROR = "an ImportError or AttributeError when ckpt_lab is imported"
+
+PRIVATE_API: tuple[PrivateUse, ...] = (
+    # ------------------------------------------------------------------ dispatch modes
+    PrivateUse(
+        "torch.utils._python_dispatch.TorchDispatchMode",
+        "scope, nonreentrant (debug log), selective, planner, explain, instruments (memory, counting, flops)",
+        "the base class of every dispatch mode: how the scope records and replays aten ops, and how "
+        "the instruments see every storage born",
+        "error: no ckpt_lab at all; there is no public alias (torch's own docs import it from here)",
+        today=_IMPORT_ERROR,
+    ),
+    PrivateUse(
+        "torch.utils._python_dispatch.TorchDispatchMode._should_skip_dynamo",
+        "scope: _RecordingMode (overrides it)",
+        "opts the recording mode out of the torch._dynamo.disable wrapper torch puts around a mode's "
+        "__torch_dispatch__ (a tenth of the scope's time); scope.NOTE [ Speed ] (j)",
+        "fallback: the override is never called and torch keeps its wrapper: same results, slower",
+    ),
+    PrivateUse(
+        "torch.utils._python_dispatch._disable_current_modes",
+        "batchnorm: skip_stats_update_in_recompute",
+        "makes the scratch copies of the running statistics out of sight of a checkpoint's mode",
+        "error: batchnorm.skip_stats_update_in_recompute is unavailable (ImportError naming it)",
+        today=_IMPORT_ERROR + " (batchnorm is imported by itself, not by ckpt_lab/__init__)",
+    ),
+    # ------------------------------------------------------------------ autograd engine
+    PrivateUse(
+        "torch._C._current_graph_task_id",
+        "scope (entry point, safe points, replay), nonreentrant (_graph_task_id), batchnorm (in_backward), "
+        "explain (unpack), distributed (hook tracing)",
+        "whether this code runs inside backward (-1 outside): a scope does nothing there, and a "
+        "recomputation is told apart from a forward",
+        "error: no public equivalent; a clear error naming torch's version when ckpt_lab is imported",
+        today=_IMPORT_ERROR + " (at the first call in nonreentrant, batchnorm, explain, distributed)",
+    ),
+    PrivateUse(
+        "torch.autograd.Variable._execution_engine.queue_callback",
+        "scope: _ResidentHooks.release_if_idle",
+        "removes the scope's resident hooks once the backward that freed its last tensor is over",
+        "fallback: the hooks go at the next safe point instead (memory of one stack entry; gradients "
+        "unaffected)",
+        today="RuntimeError is caught, AttributeError is not: inside backward, an AttributeError",
+    ),
+    PrivateUse(
+        "torch.autograd._is_checkpoint_valid",
+        "reentrant: CheckpointFunction.backward",
+        "refuses torch.autograd.grad() and backward(inputs=...), where the nested backward would "
+        "write .grad (torch's reentrant checkpoint asks the same)",
+        "error: reentrant_checkpoint's backward raises, naming torch's version (skipping the check "
+        "could write .grad where autograd.grad must not)",
+        today="AttributeError in backward",
+    ),
+    # ------------------------------------------------------------------ saved-tensor hooks stack
+    PrivateUse(
+        "torch._C._autograd._push_saved_tensors_default_hooks",
+        "scope (_restack, _inside_a_checkpoint), explain (_hooks_stack)",
+        "puts the scope's resident pack hook below others, and puts back what was popped to look",
+        "error: gradient_checkpoint_scope and explain are unavailable",
+        today=_IMPORT_ERROR,
+    ),
+    PrivateUse(
+        "torch._C._autograd._pop_saved_tensors_default_hooks",
+        "scope (_restack, _inside_a_checkpoint), explain (_hooks_stack)",
+        "reads the hooks stack below its top (torch shows only the top)",
+        "error: gradient_checkpoint_scope and explain are unavailable",
+        today=_IMPORT_ERROR,
+    ),
+    PrivateUse(
+        "torch._C._autograd._top_saved_tensors_default_hooks",
+        "scope (_top), explain (_hooks_stack), instruments.state (global_state)",
+        "the innermost saved-tensor hooks on this thread",
+        "error: scope and explain unavailable; fallback for instruments.state: report the stack as unknown",
+        today=_IMPORT_ERROR,
+    ),
+    PrivateUse(
+        "torch._C._autograd._saved_tensors_hooks_is_enabled",
+        "scope (safe points, _inside_a_checkpoint), explain (_hooks_stack)",
+        "whether pushing hooks is allowed here (torch.autograd.graph.disable_saved_tensors_hooks)",
+        "error: gradient_checkpoint_scope and explain are unavailable",
+        today=_IMPORT_ERROR,
+    ),
+    # ------------------------------------------------------------------ the scope's replay
+    PrivateUse(
+        "torch._C._AutoDispatchBelowAutograd",
+        "scope: _Recording.replay",
+        "replays the tape below autograd, as it was recorded: the replay builds no graph",
+        "error: gradient_checkpoint_scope refuses to open, naming torch's version (a replay above "
+        "autograd would build a graph backward never uses)",
+        today="AttributeError inside backward, at the first replay",
+    ),
+    PrivateUse(
+        "torch._C._set_grad_enabled",
+        "scope: _Recording.replay",
+        "switches grad mode between replayed ops without a context manager (speed)",
+        "fallback: torch.set_grad_enabled(mode) called as a function does the same",
+        today="AttributeError inside backward, at the first replay",
+    ),
+    PrivateUse(
+        "torch.utils.checkpoint._checkpoint_hook",
+        "scope: _pack_hook_codes (the code object of pack_hook among __init__'s constants)",
+        "recognises torch's non-reentrant checkpoint around a scope: NOTE [ A scope inside a checkpoint ]",
+        "error: gradient_checkpoint_scope refuses to open while it cannot recognise torch's pack hooks "
+        "(else a scope inside torch's checkpoint would give wrong gradients)",
+        today="nothing is recognised, silently (tests/test_scope.py checks that both hooks are found)",
+    ),
+    PrivateUse(
+        "torch.utils.checkpoint._recomputation_hook",
+        "scope: _pack_hook_codes",
+        "the same, for the pack hook of torch's recomputation",
+        "error: as for _checkpoint_hook",
+        today="nothing is recognised, silently (tests/test_scope.py checks that both hooks are found)",
+    ),
+    # ------------------------------------------------------------------ checkpoints
+    PrivateUse(
+        "torch.overrides._get_current_function_mode_stack",
+        "nonreentrant: _device_context",
+        "finds the torch.device block around the forward, to re-enter it in the recomputation",
+        "fallback: no device block is re-entered; a factory call without a device then makes the "
+        "re-run differ, which the determinism check reports (torch's checkpoint does the same)",
+        today="ImportError at the first checkpoint",
+    ),
+    PrivateUse(
+        "torch.utils._device.DeviceContext",
+        "nonreentrant: _device_context",
+        "the mode a torch.device block pushes",
+        "fallback: as for _get_current_function_mode_stack",
+        today="ImportError at the first checkpoint",
+    ),
+    PrivateUse(
+        "torch.utils._pytree.tree_flatten",
+        "_aten (tensors_in), nonreentrant, selective",
+        "walks nested arguments and outputs",
+        "error: no public module has it (there is no torch.utils.pytree in 2.13); ckpt_lab cannot be "
+        "imported",
+        today=_IMPORT_ERROR,
+    ),
+    PrivateUse(
+        "torch.utils._pytree.tree_unflatten",
+        "nonreentrant, selective",
+        "rebuilds nested outputs",
+        "error: as for tree_flatten",
+        today=_IMPORT_ERROR,
+    ),
+    PrivateUse(
+        "torch.utils._pytree.tree_leaves",
+        "rng: tensor_devices",
+        "the devices of nested arguments",
+        "error: as for tree_flatten",
+        today=_IMPORT_ERROR,
+    ),
+    PrivateUse(
+        "torch._C._SetExcludeDispatchKeyGuard",
+        "selective: _alias",
+        "a detached alias that shares the output's version counter (as torch's _detach_helper)",
+        "error: selective_checkpoint is unavailable, naming torch's version (without it an in-place "
+        "change of a cached output would go unseen)",
+        today=_IMPORT_ERROR + " (at the first selective checkpoint)",
+    ),
+    PrivateUse(
+        "torch._C.DispatchKey.ADInplaceOrView",
+        "selective: _alias",
+        "the dispatch key _SetExcludeDispatchKeyGuard re-enables",
+        "error: as for _SetExcludeDispatchKeyGuard",
+        today="AttributeError at the first selective checkpoint",
+    ),
+    PrivateUse(
+        "torch._ops.OpOverload",
+        "_aten (is_view), selective (policies), compiled (graph costs)",
+        "the type of one aten overload: policies and op tables are keyed by it",
+        "error: no public alias; ckpt_lab cannot be imported",
+        today=_IMPORT_ERROR,
+    ),
+    PrivateUse(
+        "torch._ops.OpOverloadPacket",
+        "selective: _checked_ops",
+        "tells an overload packet (torch.ops.aten.mm) from an overload in a policy's op list",
+        "error: as for OpOverload",
+        today="AttributeError when an op list is checked",
+    ),
+    PrivateUse(
+        "torch._ops.HigherOrderOperator",
+        "compiled: _has_higher_order_ops",
+        "finds graphs the instruments cannot measure",
+        "error: ckpt_lab.compiled's measurements are unavailable",
+        today="AttributeError in ckpt_lab.compiled",
+    ),
+    PrivateUse(
+        "torch.ops.aten._to_copy.default",
+        "selective (is_autocast_weight_cast), explain.zoo",
+        "the aten op behind .to(dtype): autocast's weight casts",
+        "error: an ATen op; torch's own SAC policies name it too",
+        today="AttributeError at import of selective",
+    ),
+    PrivateUse(
+        "torch.utils.checkpoint._CachingTorchDispatchMode",
+        "explain: _SELECTIVE_FORWARD",
+        "recognises torch's selective checkpoint's forward frames",
+        "fallback: torch's selective regions are shown as plain non-reentrant checkpoints",
+        today=_IMPORT_ERROR,
+    ),
+    # ------------------------------------------------------------------ planner, batchnorm, state
+    PrivateUse(
+        "torch._C._autograd._unsafe_set_version_counter",
+        "planner: _UndoWrites.__exit__ (profiling)",
+        "puts back the version counters the profiling run's in-place writes moved",
+        "fallback: counters stay moved: a graph built before profiling that saved such a tensor "
+        "raises torch's in-place error in backward (loud, never wrong)",
+        today="AttributeError when profiling a function that writes in place to an outside tensor",
+    ),
+    PrivateUse(
+        "torch.nn.modules.batchnorm._BatchNorm",
+        "batchnorm: skip_stats_update_in_recompute",
+        "finds every BatchNorm (1d/2d/3d, lazy, sync) in a model",
+        "fallback: the public classes (BatchNorm1d/2d/3d, LazyBatchNorm1d/2d/3d, SyncBatchNorm)",
+        today=_IMPORT_ERROR + " (of batchnorm)",
+    ),
+    PrivateUse(
+        "torch._C._len_torch_dispatch_stack",
+        "instruments.state: global_state",
+        "how many dispatch modes are on (the test that nothing was left behind)",
+        "fallback: report the count as unknown",
+        today="AttributeError in global_state",
+    ),
+    # ------------------------------------------------------------------ Dynamo and the compiler
+    PrivateUse(
+        "torch._dynamo.eval_frame.set_code_exec_strategy",
+        "scope: _skip_dynamo",
+        "marks the recording mode's code for Dynamo to skip, once, in C: NOTE [ Speed ] (j)",
+        "fallback: keep torch's torch._dynamo.disable wrapper (_should_skip_dynamo returning True)",
+        today="returns without marking, and the wrapper is already gone: Dynamo may trace the mode",
+    ),
+    PrivateUse(
+        "torch._dynamo.types.FrameAction",
+        "scope: _skip_dynamo",
+        "argument of set_code_exec_strategy",
+        "fallback: as for set_code_exec_strategy",
+        today="as for set_code_exec_strategy",
+    ),
+    PrivateUse(
+        "torch._dynamo.types.FrameAction.SKIP",
+        "scope: _skip_dynamo",
+        "skip this frame and the frames it calls",
+        "fallback: as for set_code_exec_strategy",
+        today="as for set_code_exec_strategy",
+    ),
+    PrivateUse(
+        "torch._dynamo.types.FrameExecStrategy",
+        "scope: _skip_dynamo",
+        "argument of set_code_exec_strategy",
+        "fallback: as for set_code_exec_strategy",
+        today="as for set_code_exec_strategy",
+    ),
+    PrivateUse(
+        "torch._dynamo",
+        "helpers.processes: _context (forkserver preload, by name)",
+        "imported once in the forkserver, not in every worker",
+        "fallback: the forkserver ignores a preload module it cannot import",
+    ),
+    PrivateUse(
+        "torch._dynamo.reset",
+        "compiled",
+        "forgets compiled code between budgets",
+        "fallback: torch.compiler.reset() is the public name",
+        today="AttributeError in ckpt_lab.compiled",
+    ),
+    PrivateUse(
+        "torch._dynamo.explain",
+        "compiled: graph breaks",
+        "counts Dynamo's graph breaks",
+        "error: ckpt_lab.compiled's graph-break report is unavailable",
+        today="AttributeError in ckpt_lab.compiled",
+    ),
+    PrivateUse(
+        "torch._dynamo.backends.common.aot_autograd",
+        "compiled: _recording_backend",
+        "builds a backend that keeps the forward and backward graphs",
+        "error: ckpt_lab.compiled's measurements are unavailable",
+        today="ImportError in ckpt_lab.compiled",
+    ),
+    PrivateUse(
+        "torch._dynamo.backends.debugging.boxed_nop",
+        "compiled: _recording_backend",
+        "runs the graphs eagerly (aot_eager)",
+        "error: as for aot_autograd",
+        today="ImportError in ckpt_lab.compiled",
+    ),
+    PrivateUse(
+        "torch._functorch.config.patch",
+        "compiled (compile_step, compiled_points)",
+        "sets the partitioner's activation memory budget for one compilation",
+        "error: ckpt_lab.compiled's budgets are unavailable",
+        today="AttributeError in ckpt_lab.compiled",
+    ),
+    PrivateUse(
+        "torch._functorch.config.activation_memory_budget",
+        "compiled (compile_step, compiled_points)",
+        "the budget itself (notebook 08)",
+        "error: as for torch._functorch.config.patch",
+        today="AttributeError in ckpt_lab.compiled",
+    ),
+    PrivateUse(
+        "torch._inductor.compile_fx.select_decomp_table",
+        "compiled: _recording_backend",
+        "the decompositions torch.compile's inductor backend uses",
+        "error: as for aot_autograd",
+        today="ImportError in ckpt_lab.compiled",
+    ),
+    PrivateUse(
+        "_boxed_call",
+        "compiled: _run_inside (set on our compiled function)",
+        "tells aot_autograd that the function takes its arguments as one list",
+        "error: the compiled graphs would be called wrongly: ckpt_lab.compiled is then unavailable",
+        today="a TypeError when the graph runs",
+    ),
+    # ------------------------------------------------------------------ distributed
+    PrivateUse(
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
+        "distributed",
+        "torch's FSDP recipe for checkpointing a submodule (notebook 06 compares with it)",
+        "error: ckpt_lab.distributed cannot be imported (it is not imported by ckpt_lab/__init__)",
+        today=_IMPORT_ERROR + " (of distributed)",
+    ),
+    PrivateUse(
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing",
+        "distributed",
+        "the same recipe over a whole model",
+        "error: as for checkpoint_wrapper",
+        today=_IMPORT_ERROR + " (of distributed)",
+    ),
+    # ------------------------------------------------------------------ attributes of objects
+    PrivateUse(
+        "torch.Tensor()._base",
+        "scope (_scope_ref), offload (_keeps_its_own_storage), instruments.saved",
+        "the tensor a view was made from",
+        "error: no public equivalent",
+        today="AttributeError where it is read",
+    ),
+    PrivateUse(
+        "torch.Tensor()._version",
+        "scope (in-place checks), selective (_Entry.modified), planner (profiling)",
+        "the version counter autograd's own in-place check reads",
+        "error: no public equivalent",
+        today="AttributeError where it is read",
+    ),
+    PrivateUse(
+        "torch.Tensor()._is_view",
+        "selective: is_autocast_weight_cast",
+        "whether a tensor is a view",
+        "fallback: tensor._base is not None",
+        today="AttributeError at the first autocast weight cast",
+    ),
+    PrivateUse(
+        "torch.nn.Module()._modules",
+        "explain: _unnamed_path",
+        "the child modules by attribute name",
+        "fallback: module.named_children()",
+        today="AttributeError in explain",
+    ),
+    PrivateUse(
+        "torch._ops.OpOverload()._schema",
+        "_aten (op_info, is_view), selective (must_rerun), explain",
+        "an op's schema: which arguments it writes, which outputs alias",
+        "error: no public equivalent; torch's own SAC reads it",
+        today="AttributeError",
+    ),
+    PrivateUse(
+        "torch._ops.OpOverloadPacket()._qualified_op_name",
+        "selective: _checked_ops (an error message)",
+        "names the overload packet in the message",
+        "fallback: str(op)",
+        today="AttributeError while building the error message",
+    ),
+)
+
+
+# Instances whose attributes the ``Class()._attr`` entries name.
+def _sample(cls_path: str) -> Any:
+    import torch
+
+    return {
+        "torch.Tensor": lambda: torch.zeros(2),
+        "torch.nn.Module": lambda: torch.nn.Linear(1, 1),
+        "torch._ops.OpOverload": lambda: torch.ops.aten.add.Tensor,
+        "torch._ops.OpOverloadPacket": lambda: torch.ops.aten.add,
+    }[cls_path]()
+
+
+def resolve(path: str) -> Any:
+    """The object ``path`` names on the running torch (ImportError or AttributeError if absent).
+
+    ``torch.a.b.C()._x`` is attribute ``_x`` of a sample instance of ``torch.a.b.C``; a bare ``_x``
+    (a protocol attribute torch reads off our objects) is looked up in torch's source."""
+    if "()." in path:
+        owner, attr = path.split("().")
+        return getattr(_sample(owner), attr)
+    if "." not in path:
+        return _torch_reads(path)
+    parts = path.split(".")
+    obj = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            # A submodule not imported yet.
+            obj = importlib.import_module(".".join(parts[: i + 1]))
+    return obj
+
+
+def _torch_reads(attr: str) -> str:
+    """The first file of torch that mentions ``attr`` (a protocol attribute it reads off objects)."""
+    from pathlib import Path
+
+    import torch
+
+    root = Path(torch.__file__).parent
+    for folder in ("_dynamo", "_functorch", "fx", "_inductor"):
+        for file in sorted((root / folder).rglob("*.py")):
+            if attr in file.read_text(errors="ignore"):
+                return str(file.relative_to(root.parent))
+    raise AttributeError(f"torch {torch.__version__} no longer mentions {attr!r}")
+
+
+def optional(path: str) -> Any:
+    """The object ``path`` names on the running torch, or None where it lacks it: for a use whose entry
+    says ``fallback``, so that the module can take its fallback."""
+    try:
+        return resolve(path)
+    except (ImportError, AttributeError):
+        return None
+
+
+def missing_error(path: str, feature: str) -> RuntimeError:
+    """The error for a use whose entry says ``error``: which feature, which private name, which torch
+    (``raise missing_error("torch._C._AutoDispatchBelowAutograd", "gradient_checkpoint_scope")``)."""
+    import torch
+
+    return RuntimeError(
+        f"{feature} needs torch's private {path}, which torch {torch.__version__} lacks. ckpt_lab was "
+        f"checked on torch {', '.join(CHECKED_ON)}: use one of those, or see NOTE [ Private torch API ] "
+        "in ckpt_lab/torch_private.py for what each private name is for."
+    )
+
+
+def missing() -> list[PrivateUse]:
+    """The entries the running torch lacks."""
+    absent = []
+    for use in PRIVATE_API:
+        try:
+            resolve(use.path)
+        except (ImportError, AttributeError):
+            absent.append(use)
+    return absent
+
+
+def main() -> int:
+    import torch
+
+    absent = {use.path for use in missing()}
+    width = max(len(use.path) for use in PRIVATE_API)
+    for use in PRIVATE_API:
+        print(f"{'MISSING' if use.path in absent else 'ok':>7}  {use.path:<{width}}  {use.if_missing}")
+    print(f"\ntorch {torch.__version__}: {len(PRIVATE_API) - len(absent)} of {len(PRIVATE_API)} present")
+    return 1 if absent else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
