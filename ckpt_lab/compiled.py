@@ -303,15 +303,16 @@ def compile_step(
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = compiled(*inputs)
             retained = mem.snapshot("after forward")
-            out = out if loss is None else loss(out)
-            if not out.requires_grad:
+            # The output is held until backward is done (its bytes count until then).
+            scalar = out if loss is None else loss(out)
+            if not scalar.requires_grad:
                 raise RuntimeError(
                     "element 0 of tensors does not require grad and does not have a grad_fn. compile_step: "
                     "the loss does not depend on anything that requires grad (no input requires grad and "
                     "fn uses no trainable parameter): there is no backward to compile."
                 )
-            out.backward()
-            del out
+            scalar.backward()
+            del out, scalar
             mem.snapshot("after backward")
         finally:
             _INSIDE.clear()

@@ -222,6 +222,10 @@ class PeakProfile:
                     break
         return frozenset(s for s in found if s is not None)
 
+    def plan(self, choice: Sequence[int], with_grads: bool = False) -> PeakPlan:
+        """The plan that runs region r its way ``choice[r]`` (an index into ``ways[r]``)."""
+        return _plan(self, tuple(choice), None, with_grads)
+
     def predict(self, saved: Sequence[frozenset[int] | None], with_grads: bool = False) -> Simulation:
         """The step's simulated timeline when region r runs plainly (``saved[r] is None``) or keeping
         ``saved[r]``; e.g. ``predict(plan.saved)`` for a ``planner.Plan`` over the same regions."""
@@ -703,9 +707,11 @@ class PeakPlan:
         return self.profile.loss
 
     def simulation(self) -> Simulation:
-        return simulate(self._chosen(), self.with_grads)
+        """The predicted step, event by event (``Simulation.curve``), e.g. to plot beside a measured one."""
+        return simulate(self.chosen(), self.with_grads)
 
-    def _chosen(self) -> list[Way]:
+    def chosen(self) -> list[Way]:
+        """The way of each region, the loss's last."""
         return [*(self.profile.ways[r][i] for r, i in enumerate(self.choice)), self.profile.loss_way]
 
     def policy(self, region: int) -> PlanPolicy:
