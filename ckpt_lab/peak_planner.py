@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt_lab.planner import PlanPolicy, Profile, _leaving_no_trace, profile_sequential
+from ckpt_lab.planner import PlanPolicy, Profile, _leaving_no_trace, budget_range, profile_sequential, solve
 from ckpt_lab.selective import selective_checkpoint
 from ckpt_lab.step_timeline import (
     PARTS,
@@ -230,11 +230,15 @@ def profile_peak(
     loss: Callable[[torch.Tensor], torch.Tensor] = mean_square,
     max_ways: int = 12,
     profiles: Sequence[Profile] | None = None,
+    retained_steps: int = 20,
 ) -> PeakProfile:
     """Run every way of every region once, alone, and record its timeline.
 
-    ``profiles``: the regions' retained-bytes profiles if made already (``profile_sequential``);
-    ``max_ways``: at most this many checkpointed ways per region, spread over its frontier (plus plain).
+    A region's menu: plain; ``max_ways`` sets spread over its own retained-bytes frontier; and the
+    sets the retained-bytes planner (``planner.solve``, all regions at once) keeps in it at
+    ``retained_steps + 1`` budgets spread over its range (every 5% by default), so that the peak
+    planner can always choose what the other would. ``profiles``: the regions' retained-bytes
+    profiles if made already (``profile_sequential``).
     """
     if profiles is None:
         profiles = profile_sequential(functions, input)
@@ -253,8 +257,16 @@ def profile_peak(
             inputs.append(y.detach().requires_grad_(y.is_floating_point()))
         del y
     pp = PeakProfile(tuple(functions), tuple(inputs), tuple(profiles), loss, leaves)
-    for region, prof in enumerate(profiles):
-        pp.ways.append([pp.way(region, saved) for saved in [None, *_frontier_sets(prof, max_ways)]])
+    menus: list[list[frozenset[int] | None]] = [[None, *_frontier_sets(p, max_ways)] for p in profiles]
+    if profiles and retained_steps > 0:
+        low, high = budget_range(profiles)
+        for step in range(retained_steps + 1):
+            plan = solve(profiles, low + round(step / retained_steps * (high - low)))
+            for menu, saved in zip(menus, plan.saved, strict=True):
+                if saved not in menu:
+                    menu.append(saved)
+    for region, menu in enumerate(menus):
+        pp.ways.append([pp.way(region, saved) for saved in menu])
     pp.loss_way = pp.way(len(functions), None)
     return pp
 
@@ -377,17 +389,20 @@ def _solve(pp: PeakProfile, budget: float, with_grads: bool) -> list[tuple[int, 
 def _pareto(states: dict[Any, tuple[float, Any]]) -> dict[Any, tuple[float, Any]]:
     """Drop every state another with the same flag beats in all of F, A, L, M and the cost."""
     kept: dict[Any, tuple[float, Any]] = {}
-    by_flag: dict[bool, list[tuple[tuple[int, int, int, int, float], Any]]] = {}
+    by_flag: dict[bool, list[tuple[tuple[float, ...], Any]]] = {}
     for key, value in states.items():
         by_flag.setdefault(key[0], []).append(((*key[1:], value[0]), key))
     for rows in by_flag.values():
         rows.sort()
-        front: list[tuple[int, int, int, int, float]] = []
+        # The states kept so far, one row each: numpy compares a new one with all of them at once.
+        front = np.empty((len(rows), 5))
+        size = 0
         for vec, key in rows:
             # Sorted, so any state that dominates this one came before it.
-            if any(all(o <= v for o, v in zip(other, vec, strict=True)) for other in front):
+            if size and (front[:size] <= vec).all(axis=1).any():
                 continue
-            front.append(vec)
+            front[size] = vec
+            size += 1
             kept[key] = states[key]
     return kept
 
