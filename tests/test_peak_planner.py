@@ -223,3 +223,25 @@ def test_a_budget_below_every_plan_is_refused_with_the_lowest_peak():
         solve_peak(pp, lowest - 1)
     with pytest.raises(TypeError, match="budget must be a number of bytes"):
         solve_peak(pp, 1.5e6)
+
+
+def test_the_simulated_timeline_is_the_measured_one_event_for_event():
+    from ckpt_lab.instruments.memory import LiveMemory
+
+    _, x, loss, params = CASES["transformer"]
+    pp = _profile("transformer")
+    plan = pp.plan([1, 0])  # the first block checkpointed, the second plain
+    for t in [x, *params]:
+        t.grad = None
+    with LiveMemory() as memory:
+        torch.manual_seed(1)
+        out = loss(plan(x))
+        memory.snapshot("after forward")
+        memory.phase = "backward"
+        out.backward()
+        del out
+        memory.snapshot("after backward")
+    measured = memory.curve(exclude=memory.born_in("backward"))
+    # The measured curve repeats its level where a left-out gradient is born; the simulation skips it.
+    steps = [b for a, b in itertools.pairwise([0, *measured]) if a != b]
+    assert steps == [b for a, b in itertools.pairwise([0, *plan.simulation().curve]) if a != b]

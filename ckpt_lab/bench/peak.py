@@ -1,6 +1,6 @@
 """The peak sweep: three ways to fit a memory budget, judged by the peak each one measures.
 
-    python -m ckpt_lab.bench.peak                    # results/peak.json and results/peak_sweep.png
+    python -m ckpt_lab.bench.peak                    # results/: peak.json, peak.md, peak_sweep.png
     python -m ckpt_lab.bench.peak --refresh-readme   # the picture into images/ (make peak)
     python -m ckpt_lab.bench.peak --quick            # small models, for a smoke test
 
@@ -67,6 +67,7 @@ __all__ = [
     "check_targets",
     "gpt2_chain",
     "main",
+    "markdown",
     "models",
     "plot",
     "sweep",
@@ -466,6 +467,38 @@ def table(points: Sequence[PeakPoint]) -> str:
     return "\n".join(lines)
 
 
+def markdown(points: Sequence[PeakPoint]) -> str:
+    """The README's table: per model and method, the measured peak (MiB) and the recomputed GFLOP
+    at each budget, largest budget first; a compiled budget with wrong gradients in italics."""
+    lines = [
+        "| model | method (budgets, largest first) | measured peak MiB (recomputed GFLOP) |",
+        "|---|---|---|",
+    ]
+    for model in dict.fromkeys(p.model for p in points):
+        none = next(p for p in points if p.model == model and p.method == "none")
+        lines.append(f"| {model} | no checkpointing | {none.peak_bytes / 2**20:.2f} (0) |")
+        for method in ("peak planner", "planner", "torch.compile"):
+            rows = sorted(
+                (p for p in points if p.model == model and p.method == method), key=lambda p: -p.budget
+            )
+            if not rows:
+                continue
+            cells = []
+            for p in rows:
+                cell = f"{p.peak_bytes / 2**20:.2f} ({_gflop(p.recompute_flops)})"
+                cells.append(cell if p.grads_ok else f"*{cell}*")
+            if method == "torch.compile":
+                what = "torch.compile " + ", ".join(f"{p.budget:g}" for p in rows)
+            else:
+                what = f"{method}, {len(rows)} budgets"
+            lines.append(f"| {model} | {what} | {' · '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def _gflop(flops: int) -> str:
+    return "0" if flops == 0 else f"{flops / 1e9:.3g}"
+
+
 _STYLE = {
     "peak planner": dict(marker="o", color="tab:blue", s=45, zorder=4),
     "planner": dict(marker="x", color="tab:orange", s=55, zorder=4),
@@ -525,9 +558,13 @@ def plot(
         none = next((p for p in mine if p.method == "none"), None)
         if none is not None:
             low.axhline(none.peak_bytes / 2**20, color="black", lw=0.8, ls=":", label="no checkpointing")
+        low.set_title("measured peak as the budget falls", fontsize=9)
         low.set_xlabel("budget, from the largest (left) to the smallest (right) of each sweep")
         low.set_ylabel("measured peak (MiB)")
         low.grid(alpha=0.3)
+    # Hollow triangles: the compiled budgets whose gradients are wrong (dropout redrawn in backward).
+    axes[0][-1].scatter([], [], marker="^", s=55, facecolors="none", edgecolors="tab:gray",
+                        label="torch.compile, wrong gradients (dropout redrawn)")  # fmt: skip
     handles, labels = axes[0][-1].get_legend_handles_labels()
     fig.legend(
         handles, labels, loc="upper center", ncol=3, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 1.02)
@@ -596,7 +633,8 @@ def main(argv: list[str] | None = None, chains: Callable[[bool], list[Callable[[
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "peak.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    print(f"\nsweep: {seconds:.0f} s; plot: {picture}; results: {args.out / 'peak.json'}")
+    (args.out / "peak.md").write_text(markdown(points) + "\n")
+    print(f"\nsweep: {seconds:.0f} s; plot: {picture}; results and table: {args.out}/peak.json, peak.md")
     wrong = [f"{p.model}/{p.label}" for p in points if not p.grads_ok and p.method != "torch.compile"]
     if wrong:
         print("FAILED (gradients differ from no checkpointing): " + ", ".join(wrong), file=sys.stderr)
