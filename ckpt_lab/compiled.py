@@ -311,7 +311,17 @@ def compile_step(
                     "the loss does not depend on anything that requires grad (no input requires grad and "
                     "fn uses no trainable parameter): there is no backward to compile."
                 )
-            scalar.backward()
+            if loss is None:
+                # The step's loss is the graphs' output: the gradient backward starts from is the
+                # step's too (eager's measure_memory counts it), so it is made where it is counted.
+                mem.phase = "backward"
+                with mem:
+                    start = torch.ones_like(scalar)
+                mem.closed = False
+                scalar.backward(start)
+                del start
+            else:
+                scalar.backward()
             del out, scalar
             mem.snapshot("after backward")
         finally:

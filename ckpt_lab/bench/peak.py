@@ -178,7 +178,7 @@ class PeakPoint:
 
     model: str
     method: str  # "none", "peak planner", "planner", "torch.compile"
-    budget: float  # bytes for the planners; activation_memory_budget for torch.compile
+    budget: float | None  # bytes for the planners; activation_memory_budget for torch.compile
     peak_bytes: int
     retained_bytes: int
     recompute_flops: int
@@ -292,7 +292,7 @@ def sweep(
     of the other two, the peak planner's least-peak plan that recomputes no more, measured."""
     s = _Sweeper(chain, log)
     r = s.none.report
-    points = [PeakPoint(chain.name, "none", math.inf, r.peak_bytes, r.retained_bytes, 0, grads_ok=True)]
+    points = [PeakPoint(chain.name, "none", None, r.peak_bytes, r.retained_bytes, 0, grads_ok=True)]
     # (a) the peak planner, from its lowest predicted peak to no checkpointing's.
     n = len(chain.regions)
     low, high = s.front[0].predicted_peak, s.pp.predict([None] * n).peak_bytes
@@ -505,6 +505,11 @@ _STYLE = {
     "torch.compile": dict(marker="^", color="tab:gray", s=55, zorder=5),
     "none": dict(marker="*", color="black", s=150, zorder=6),
 }
+_SHORT = {
+    "peak planner": "peak planner",
+    "planner": "retained-bytes planner",
+    "torch.compile": "torch.compile",
+}
 _LABEL = {
     "peak planner": "peak planner (budget: the peak), measured",
     "planner": "retained-bytes planner, measured",
@@ -554,7 +559,7 @@ def plot(
             if rows:
                 xs = [i / max(1, len(rows) - 1) for i in range(len(rows))]
                 low.plot(xs, [p.peak_bytes / 2**20 for p in rows], marker=_STYLE[method]["marker"],
-                         color=_STYLE[method]["color"], label=method)  # fmt: skip
+                         color=_STYLE[method]["color"], label=_SHORT[method])  # fmt: skip
         none = next((p for p in mine if p.method == "none"), None)
         if none is not None:
             low.axhline(none.peak_bytes / 2**20, color="black", lw=0.8, ls=":", label="no checkpointing")
