@@ -10,7 +10,7 @@ LAB_FLAGS := $(if $(filter 0,$(shell id -u)),--allow-root) \
 	$(if $(or $(DISPLAY),$(WAYLAND_DISPLAY),$(filter Darwin,$(shell uname -s))),,--no-browser)
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
 
-.PHONY: setup lab test lint unit nbval notebooks bench pareto compat gpu-check check-dot check-python clean
+.PHONY: setup lab test lint unit nbval notebooks bench pareto peak compat gpu-check check-dot check-python clean
 
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.json
 
@@ -75,6 +75,12 @@ bench: setup
 ## rewrites images/05_pareto.png
 pareto: setup
 	$(BIN)/python -m ckpt_lab.bench.pareto --refresh-readme --compile
+
+## peak: the peak sweep: the peak planner, the retained-bytes planner and torch.compile's budget on mlp-8,
+## transformer-4 and GPT-2, predicted and measured peaks (about 10 minutes on 2 cores); rewrites
+## images/peak_sweep.png (results/peak.json and peak.md hold the numbers and the README's table)
+peak: setup
+	$(BIN)/python -m ckpt_lab.bench.peak --refresh-readme
 
 ## compat: the unit tests under another torch (make compat TORCH=2.14.1 [PYTHON=python3.12]), in a
 ## virtual environment outside the checkout (~/.cache/ckpt_lab/venv-torch-VERSION-pyX.Y, reused);

@@ -8,8 +8,9 @@ Introduced in notebook 08. The entry point measures one compiled training step:
     print(step.summary())                      # saved tensors by graph name, recomputed ops
     print(step.describe())                     # both partitioned graphs, one line per op
 
-``compiled_points(workload, budgets)`` does it for a benchmark stack at several budgets, as
-``ckpt_lab.bench.pareto.Point``s (``python -m ckpt_lab.bench.pareto --compile``).
+``compiled_points(workload, budgets)`` does it for a benchmark stack at several budgets, as records
+of this module's own (``BudgetPoint``), which ``python -m ckpt_lab.bench.pareto --compile`` plots;
+this module imports nothing from the harness (NOTE [ Records of its own ]).
 
 NOTE [ Which backend ]
 Every number here comes from ``BACKEND``: AOTAutograd with inductor's decompositions and inductor's
@@ -76,6 +77,8 @@ from ckpt_lab._eager import run_eagerly
 
 __all__ = [
     "BACKEND",
+    "BudgetPoint",
+    "BudgetRow",
     "CompiledStep",
     "compile_step",
     "compiled_points",
@@ -100,12 +103,13 @@ class CompiledStep:
     recompute_flops: int
     forward_graph: torch.fx.GraphModule
     backward_graph: torch.fx.GraphModule
-    grads: list[torch.Tensor] = field(repr=False)
+    grads: list[torch.Tensor | None] = field(repr=False)  # see ``compile_step``
     grads_ok: bool | None = None
     storages: set[int] = field(default_factory=set, repr=False)  # data pointers of the saved storages
     # Measured inside the compiled graphs (NOTE [ Memory inside the compiled graphs ]).
     retained_bytes: int = 0  # alive when the forward ends: what it keeps, plus its output
     peak_bytes: int = 0  # most alive at once over forward and backward, gradients excluded
+    peak_bytes_with_grads: int = 0  # the same, counting the gradients backward leaves behind
     flops: int = 0  # matmul FLOPs of both graphs, as the benchmark counts them
     aten_ops: int = 0  # aten ops in both graphs (a higher-order op's insides not counted)
     # False where a graph held higher-order ops and ran unmeasured: the four numbers above are then 0.
@@ -234,21 +238,46 @@ def _node_cost(node: torch.fx.Node, cost: Callable[..., int] | None = None) -> i
         return val.numel() if isinstance(val, torch.Tensor) else 0
 
 
+def _mean_square(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+class _NotCallable(TypeError, AssertionError):
+    """torch.compile raises ``AssertionError`` for a function that is not callable; a ``TypeError`` is
+    what Python code expects. Both ``except`` clauses catch this one."""
+
+
 def compile_step(
     fn: Callable[..., torch.Tensor],
     *inputs: torch.Tensor,
     budget: float = 1.0,
     params: Sequence[torch.Tensor] = (),
     check: bool = True,
+    loss: Callable[[torch.Tensor], torch.Tensor] | None = _mean_square,
 ) -> CompiledStep:
     """Compile ``fn`` at ``activation_memory_budget=budget``, run one seeded forward and backward
     (loss = mean of the output squared) and report what it saved and recomputed.
 
-    ``params``: tensors whose gradients are compared (besides the inputs); with ``check`` the step is
-    run again at budget 1 and ``grads_ok`` says whether the gradients agree (NOTE [ Random ops ... ]).
+    ``params``: tensors whose gradients are compared (besides the inputs that require grad; an
+    ``nn.Module`` given as ``fn`` brings its own parameters when ``params`` is empty); ``grads`` holds
+    their gradients, in that order (``None`` where backward left none). An input need not require
+    grad: an ordinary data batch is differentiated through the parameters only. With ``check`` the
+    step is run again at budget 1 and ``grads_ok`` says whether the gradients agree (NOTE [ Random
+    ops ... ]). ``loss`` makes the step's loss from ``fn``'s output; ``None`` when ``fn`` returns it
+    (then the loss is computed, and measured, inside the compiled graphs).
     """
+    if not callable(fn):
+        # torch.compile(fn) would take a non-callable for its decorator form and blame the tensor.
+        raise _NotCallable(
+            f"A callable function is expected, but {type(fn)} is provided. compile_step: the first "
+            f"argument, fn, is the function (or nn.Module) to compile, and {fn!r:.60} is not callable; "
+            "the tensors it runs on come after it: compile_step(fn, *inputs)."
+        )
+    if not params and isinstance(fn, torch.nn.Module):
+        params = [p for p in fn.parameters() if p.requires_grad]
     graphs: dict[str, torch.fx.GraphModule] = {}
-    leaves = [*inputs, *params]
+    # What backward differentiates: inputs that require grad (a data batch does not), then parameters.
+    leaves = [t for t in (*inputs, *params) if isinstance(t, torch.Tensor) and t.requires_grad]
     saved: dict[int, tuple[tuple[int, ...], str, int]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -274,14 +303,32 @@ def compile_step(
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = compiled(*inputs)
             retained = mem.snapshot("after forward")
-            out.square().mean().backward()
-            del out
+            # The output is held until backward is done (its bytes count until then).
+            scalar = out if loss is None else loss(out)
+            if not scalar.requires_grad:
+                raise RuntimeError(
+                    "element 0 of tensors does not require grad and does not have a grad_fn. compile_step: "
+                    "the loss does not depend on anything that requires grad (no input requires grad and "
+                    "fn uses no trainable parameter): there is no backward to compile."
+                )
+            if loss is None:
+                # The step's loss is the graphs' output: the gradient backward starts from is the
+                # step's too (eager's measure_memory counts it), so it is made where it is counted.
+                mem.phase = "backward"
+                with mem:
+                    start = torch.ones_like(scalar)
+                mem.closed = False
+                scalar.backward(start)
+                del start
+            else:
+                scalar.backward()
+            del out, scalar
             mem.snapshot("after backward")
         finally:
             _INSIDE.clear()
             mem.closed = True
     torch._dynamo.reset()
-    grads = [t.grad.detach().clone() for t in leaves]
+    grads = [None if t.grad is None else t.grad.detach().clone() for t in leaves]
     backward = graphs["backward"]
     recomputed = [n for n in backward.graph.nodes if _is_recomputed(n)]
     ops = [
@@ -301,21 +348,30 @@ def compile_step(
         storages=set(saved),
         retained_bytes=retained,
         peak_bytes=mem.peak(exclude=mem.born_in("backward")),
+        peak_bytes_with_grads=mem.peak(),
         flops=sum(_node_cost(n, matmul_flops) for n in ops),
         aten_ops=len(ops),
     )
     if _UNMEASURED:
         step.measured = False
-        step.retained_bytes = step.peak_bytes = step.flops = step.aten_ops = 0
+        step.retained_bytes = step.peak_bytes = step.peak_bytes_with_grads = step.flops = step.aten_ops = 0
     if check:
         reference = (
-            step if budget == 1.0 else compile_step(fn, *inputs, budget=1.0, params=params, check=False)
+            step
+            if budget == 1.0
+            else compile_step(fn, *inputs, budget=1.0, params=params, check=False, loss=loss)
         )
-        step.grads_ok = all(
-            torch.allclose(a, b, rtol=1e-4, atol=1e-6)
-            for a, b in zip(step.grads, reference.grads, strict=True)
-        )
+        step.grads_ok = _same_grads(step, reference)
     return step
+
+
+def _same_grads(a: CompiledStep, b: CompiledStep) -> bool:
+    """Gradients agree (to float tolerance: the budget reorders the arithmetic), ``None`` with ``None``."""
+    return all(
+        (u is None and v is None)
+        or (u is not None and v is not None and torch.allclose(u, v, rtol=1e-4, atol=1e-6))
+        for u, v in zip(a.grads, b.grads, strict=True)
+    )
 
 
 def _short(target: Any) -> str:
@@ -354,14 +410,42 @@ def graph_breaks(fn: Callable[..., Any], *inputs: Any) -> tuple[int, int]:
     return explained.graph_count, explained.graph_break_count
 
 
-def compiled_points(workload: Any, budgets: Sequence[float] = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)) -> list[Any]:
-    """The compiler's budget sweep on a benchmark stack, as Pareto points in the planner's terms.
+# ------------------------------------------------------------------ a stack's budget sweep, as records
+# NOTE [ Records of its own ]
+# This module is notebook 08's; the harness (``ckpt_lab.bench``) is a user of it, never the other way
+# round. The two sweeps below run a benchmark stack (anything with ``blocks``, ``input`` and
+# ``parameters()``) and return records defined here, ``BudgetPoint`` and ``BudgetRow``; the harness
+# turns them into its own ``Point`` (``bench.pareto``) and ``Result`` (``bench.measure``). Built the
+# other way, importing the benchmark's classes here, it was an import circle: the Pareto sweep
+# imported this module, and this module the Pareto sweep.
+@dataclass(frozen=True)
+class BudgetPoint:
+    """One budget of ``compiled_points``, in the planner's terms (``bench.pareto`` plots it)."""
 
-    Retained bytes count the first block's input (as ``bench.pareto`` does) whether or not the
-    compiled forward saved it; recompute FLOPs are the backward graph's recomputed ops.
-    """
-    from ckpt_lab.bench.pareto import Point
+    budget: float
+    retained_bytes: int  # what the compiled forward saves, plus the first block's input
+    recompute_flops: int  # the backward graph's recomputed forward ops, planner cost model
+    saved: int  # storages saved
+    recomputed: int  # ops recomputed
+    grads_ok: bool  # gradients equal the same compiled stack at budget 1
 
+
+@dataclass(frozen=True)
+class BudgetRow:
+    """One budget of ``compiled_results``, measured as the benchmark measures a strategy."""
+
+    budget: float
+    retained_bytes: int
+    peak_bytes: int
+    flops: int
+    aten_ops: int
+    grads_ok: bool
+    seconds: float
+    time_vs_none: float
+    activation_bytes: int  # planner terms: saved bytes plus the first block's input
+
+
+def _stack(workload: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     blocks = workload.blocks
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -369,48 +453,47 @@ def compiled_points(workload: Any, budgets: Sequence[float] = (0.0, 0.1, 0.25, 0
             x = b(x)
         return x
 
-    x = workload.input
+    return run
+
+
+def compiled_points(
+    workload: Any, budgets: Sequence[float] = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
+) -> list[BudgetPoint]:
+    """The compiler's budget sweep on a benchmark stack, in the planner's terms (``BudgetPoint``).
+
+    Retained bytes count the first block's input (as ``bench.pareto`` does) whether or not the
+    compiled forward saved it; recompute FLOPs are the backward graph's recomputed ops.
+    """
+    run, x, params = _stack(workload), workload.input, workload.parameters()
     x_bytes = x.untyped_storage().nbytes()
-    reference = compile_step(run, x, budget=1.0, params=workload.parameters(), check=False)
+    reference = compile_step(run, x, budget=1.0, params=params, check=False)
     points = []
     for budget in budgets:
-        step = (
-            reference
-            if budget == 1.0
-            else compile_step(run, x, budget=budget, params=workload.parameters(), check=False)
-        )
-        ok = all(
-            torch.allclose(a, b, rtol=1e-4, atol=1e-6)
-            for a, b in zip(step.grads, reference.grads, strict=True)
-        )
+        step = reference if budget == 1.0 else compile_step(run, x, budget=budget, params=params, check=False)
         retained = step.saved_bytes + (0 if x.untyped_storage().data_ptr() in step.storages else x_bytes)
-        note = f"{len(step.saved)} saved, {len(step.recomputed)} ops recomputed"
-        if not ok:
-            note += "; gradients differ from budget 1 (random ops recomputed: see ckpt_lab.compiled)"
-        points.append(Point(f"compiled {budget:g}", retained, step.recompute_flops, note=note, grads_ok=ok))
+        ok = _same_grads(step, reference)
+        points.append(
+            BudgetPoint(budget, retained, step.recompute_flops, len(step.saved), len(step.recomputed), ok)
+        )
     return points
 
 
-def compiled_results(workload: Any, budgets: Sequence[float] = (1.0, 0.5, 0.0), rounds: int = 3) -> list[Any]:
-    """``python -m ckpt_lab.bench --compile``: the compiler's budgets as rows of the benchmark's table.
+def compiled_results(
+    workload: Any, budgets: Sequence[float] = (1.0, 0.5, 0.0), rounds: int = 3
+) -> list[BudgetRow]:
+    """``python -m ckpt_lab.bench --compile``: the compiler's budgets, measured as the benchmark's rows.
 
     Memory, matmul FLOPs and aten ops are measured inside the compiled graphs (NOTE [ Memory inside
-    the compiled graphs ]); ``grad_ok`` compares with the compiled step at budget 1 (compiled dropout
+    the compiled graphs ]); ``grads_ok`` compares with the compiled step at budget 1 (compiled dropout
     draws other masks than eager's, so eager's gradients are no reference); time is the median over
     ``rounds`` of the compiled step's time divided by eager no-checkpointing's in the same round.
     """
     import statistics
     import time
 
-    from ckpt_lab.bench.measure import Result
-
     wl = workload
     params = wl.parameters()
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        for b in wl.blocks:
-            x = b(x)
-        return x
+    run = _stack(wl)
 
     def timed(f: Callable[..., torch.Tensor]) -> float:
         for t in [wl.input, *params]:
@@ -426,7 +509,7 @@ def compiled_results(workload: Any, budgets: Sequence[float] = (1.0, 0.5, 0.0), 
 
     x_ptr, x_bytes = wl.input.untyped_storage().data_ptr(), wl.input.untyped_storage().nbytes()
     reference = compile_step(run, wl.input, budget=1.0, params=params, check=False)
-    results = []
+    rows = []
     for budget in budgets:
         step = (
             reference
@@ -444,24 +527,17 @@ def compiled_results(workload: Any, budgets: Sequence[float] = (1.0, 0.5, 0.0), 
                 seconds.append(compiled_)
                 ratios.append(compiled_ / eager)
         torch._dynamo.reset()
-        results.append(
-            Result(
-                wl.name,
-                wl.family,
-                wl.depth,
-                f"compiled-budget-{budget:g}",
-                None,
+        rows.append(
+            BudgetRow(
+                budget,
                 retained_bytes=step.retained_bytes,
                 peak_bytes=step.peak_bytes,
                 flops=step.flops,
                 aten_ops=step.aten_ops,
-                grad_ok=all(
-                    torch.allclose(a, b, rtol=1e-4, atol=1e-6)
-                    for a, b in zip(step.grads, reference.grads, strict=True)
-                ),
+                grads_ok=_same_grads(step, reference),
                 seconds=statistics.median(seconds),
                 time_vs_none=statistics.median(ratios),
                 activation_bytes=step.saved_bytes + (0 if x_ptr in step.storages else x_bytes),
             )
         )
-    return results
+    return rows

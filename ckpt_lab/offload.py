@@ -24,6 +24,8 @@ may not have arrived yet.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
@@ -52,8 +54,21 @@ class offload_to_cpu(saved_tensors_hooks):
     def __init__(
         self, pin_memory: bool | None = None, min_bytes: int = 0, include_cpu_tensors: bool = False
     ) -> None:
+        # Checked here: a wrong type would otherwise surface in the first pack hook, mid-forward,
+        # as a comparison or truth-value error that names neither the argument nor this class.
+        _check_flag("pin_memory", pin_memory, none_ok=True)
+        _check_flag("include_cpu_tensors", include_cpu_tensors)
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, numbers.Integral):
+            raise TypeError(
+                f"offload_to_cpu: min_bytes must be an int, a number of bytes (tensors smaller than it stay "
+                f"on their device; 0 moves every tensor), not {min_bytes!r} ({type(min_bytes).__name__})."
+            )
+        if min_bytes < 0:
+            raise ValueError(
+                f"offload_to_cpu: min_bytes must be 0 or more (a number of bytes), not {min_bytes}."
+            )
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.min_bytes = min_bytes
+        self.min_bytes = int(min_bytes)
         self.include_cpu_tensors = include_cpu_tensors
         self.tensors_moved = 0
         self.bytes_moved = 0
@@ -103,6 +118,13 @@ class offload_to_cpu(saved_tensors_hooks):
         self.bytes_returned += cpu.nbytes
         # copy=True: the CPU dry run copies too, so that it takes the same path as an accelerator.
         return cpu.to(device, non_blocking=self.pin_memory, copy=True)
+
+
+def _check_flag(name: str, value: object, none_ok: bool = False) -> None:
+    if isinstance(value, bool) or (none_ok and value is None):
+        return
+    expected = "True, False or None (None: whether CUDA is available)" if none_ok else "True or False"
+    raise TypeError(f"offload_to_cpu: {name} must be {expected}, not {value!r} ({type(value).__name__}).")
 
 
 def _keeps_its_own_storage(tensor: torch.Tensor) -> bool:

@@ -173,3 +173,114 @@ def test_a_plan_for_another_computation_is_refused_under_compile():
     with pytest.raises(Exception, match=r"plan: under torch.compile, call 2 of aten\.t\.default"):
         torch.compile(twice, backend="aot_eager")(x)
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ notebook 08's module and the harness
+def _import_graph() -> dict[str, set[str]]:
+    """Every ``ckpt_lab`` module -> the ``ckpt_lab`` modules its code imports (at the top or inside a
+    function), read from the source with ``ast``: no module is executed."""
+    import ast
+    from pathlib import Path
+
+    import ckpt_lab
+
+    root = Path(ckpt_lab.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = ["ckpt_lab", *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+                # ``from ckpt_lab.bench import pareto`` imports the module ckpt_lab.bench.pareto too.
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_notebook_08s_module_imports_nothing_from_the_harness():
+    graph = _import_graph()
+    # The graph is read right: the harness does import the compiler's module.
+    assert "ckpt_lab.compiled" in _reachable(graph, "ckpt_lab.bench.pareto")
+    reached = _reachable(graph, "ckpt_lab.compiled")
+    assert not {m for m in reached if m == "ckpt_lab.bench" or m.startswith("ckpt_lab.bench.")}, reached
+    # ... so no circle runs through it.
+    assert "ckpt_lab.compiled" not in reached
+
+
+def test_compiled_sweeps_return_records_of_their_own():
+    import dataclasses
+
+    from ckpt_lab import compiled
+
+    for record in (compiled.BudgetPoint, compiled.BudgetRow):
+        assert dataclasses.is_dataclass(record) and record.__module__ == "ckpt_lab.compiled"
+
+
+# ------------------------------------------------------------------------------------- compile_step's inputs
+def test_compile_step_differentiates_parameters_when_the_batch_does_not_require_grad():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    batch = torch.randn(5, 8)  # an ordinary data batch: requires_grad is False
+    step = compile_step(model, batch)
+    model.zero_grad(set_to_none=True)
+    model(batch).square().mean().backward()
+    expected = [p.grad for p in model.parameters()]
+    # The module's parameters, in order; no entry for the batch.
+    assert len(step.grads) == len(expected) == 4
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(step.grads, expected, strict=True))
+    assert step.grads_ok is True and step.peak_bytes > 0
+
+
+def test_compile_step_with_an_input_that_requires_grad_and_explicit_params():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    x = torch.randn(3, 8, requires_grad=True)
+    step = compile_step(lambda t: model(t), x, params=list(model.parameters()))
+    (gx, gw, gb) = step.grads
+    assert gx.shape == x.shape and gw.shape == model.weight.shape and gb.shape == model.bias.shape
+
+
+def test_compile_step_with_nothing_to_differentiate_says_so():
+    with pytest.raises(RuntimeError, match=r"does not require grad.*compile_step: the loss does not depend"):
+        compile_step(lambda t: t.sin(), torch.randn(4))
+
+
+@pytest.mark.parametrize("fn", [None, torch.randn(3), "model"])
+def test_compile_step_with_a_function_that_is_not_callable_names_it(fn):
+    # torch.compile's sentence (and exception type) first; a TypeError to Python code too.
+    for kind in (TypeError, AssertionError):
+        with pytest.raises(kind) as caught:
+            compile_step(fn, torch.randn(2, 3))
+        message = str(caught.value)
+        assert message.startswith(f"A callable function is expected, but {type(fn)} is provided.")
+        assert "the first argument, fn" in message and "not callable" in message
+
+
+def test_compile_step_loss_none_measures_a_function_that_returns_its_loss():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    x = torch.randn(4, 8)
+    params = list(model.parameters())
+    inside = compile_step(lambda t: model(t).square().mean(), x, params=params, loss=None, check=False)
+    outside = compile_step(model, x, check=False)
+    assert all(torch.allclose(a, b) for a, b in zip(inside.grads, outside.grads, strict=True))
+    # The loss's temporaries and backward now run inside the measured graphs, on top of the rest.
+    assert inside.peak_bytes > outside.peak_bytes
+    assert inside.peak_bytes_with_grads >= inside.peak_bytes

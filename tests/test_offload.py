@@ -237,3 +237,37 @@ def test_cuda_offload_frees_device_memory_and_brings_tensors_back() -> None:
     for got, expected in zip(grads["offload"], grads["none"], strict=True):
         assert got.device.type == "cuda"
         torch.testing.assert_close(got, expected)
+
+
+# ---------------------------------------------------------------------------- arguments checked early
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"min_bytes": "1"}, TypeError, ["min_bytes", "'1'", "str", "an int"]),
+        ({"min_bytes": None}, TypeError, ["min_bytes", "None", "an int"]),
+        ({"min_bytes": 1.5}, TypeError, ["min_bytes", "1.5", "float"]),
+        ({"min_bytes": True}, TypeError, ["min_bytes", "True", "bool"]),
+        ({"min_bytes": -1}, ValueError, ["min_bytes", "-1", "0 or more"]),
+        ({"pin_memory": "yes"}, TypeError, ["pin_memory", "'yes'", "True, False or None"]),
+        ({"pin_memory": 1}, TypeError, ["pin_memory", "1", "int"]),
+        ({"include_cpu_tensors": "no"}, TypeError, ["include_cpu_tensors", "'no'", "True or False"]),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction_naming_them(kwargs, error, words) -> None:
+    with pytest.raises(error) as caught:
+        offload_to_cpu(**kwargs)
+    for word in words:
+        assert word in str(caught.value), (word, str(caught.value))
+
+
+def test_good_arguments_of_every_accepted_kind_still_offload() -> None:
+    import numpy as np
+
+    accepted = ({"min_bytes": np.int64(64)}, {"pin_memory": None}, {"pin_memory": False}, {"min_bytes": 0})
+    for kwargs in accepted:
+        x = torch.randn(8, 8, requires_grad=True)
+        with offload_to_cpu(include_cpu_tensors=True, **kwargs) as hooks:
+            y = (x * 2).sin().sum()
+        y.backward()
+        assert hooks.tensors_moved == 1 and hooks.bytes_moved == 256
+        assert torch.equal(x.grad, 2 * (x * 2).cos())
