@@ -1000,3 +1000,72 @@ def test_dynamo_skips_the_recording_mode_as_torch_would_have_it() -> None:
     assert "__torch_dispatch__" in scope_module._RecordingMode.__dict__
     assert not hasattr(scope_module._RecordingMode.__torch_dispatch__, "__wrapped__")
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------ public accessors
+def test_accessors_name_the_scopes_entries_on_the_hooks_stack() -> None:
+    from ckpt_lab.scope import is_scope_pack_hook, pack_hook_below
+
+    a = leaves((10,))[0]
+
+    def user_pack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    with saved_tensors_hooks(user_pack, lambda t: t):
+        assert not is_scope_pack_hook(top_hooks()[0])
+        with gradient_checkpoint_scope():
+            own = top_hooks()[0]  # the open scope's entry: scope tensors to us, the rest to user_pack
+            x = a.sin()
+        wrapper = top_hooks()[0]  # the closed scope left a resident entry; user_pack is wrapped
+        assert [is_scope_pack_hook(own), is_scope_pack_hook(wrapper)] == [True, True]
+        assert [pack_hook_below(own), pack_hook_below(wrapper)] == [user_pack, user_pack]
+        torch._C._autograd._pop_saved_tensors_default_hooks()  # look below the wrapper, then put it back
+        resident = top_hooks()[0]
+        torch._C._autograd._push_saved_tensors_default_hooks(*[wrapper, scope_module._unpack])
+        assert is_scope_pack_hook(resident) and pack_hook_below(resident) is None
+        with pytest.raises(TypeError, match="not one of gradient_checkpoint_scope's pack hooks"):
+            pack_hook_below(user_pack)
+        del x
+    # The private names notebooks used stay: the class, and its ``below`` pair.
+    assert scope_module._PackHook is type(own) and own.below[0] is user_pack
+
+
+def test_inside_scope_hook_is_true_exactly_while_a_replay_runs() -> None:
+    from ckpt_lab.scope import inside_scope_hook
+
+    seen: list[tuple[str, bool]] = []
+
+    class Log(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+            seen.append((func.overloadpacket.__name__, inside_scope_hook()))
+            return func(*args, **(kwargs or {}))
+
+    a, c = leaves((10,), (10,))
+    with gradient_checkpoint_scope():
+        x = a.exp()
+    y = (x * c).sum()
+    del x
+    with Log():
+        y.backward()
+    # exp runs once more in backward, in the replay; nothing else runs inside our hooks.
+    assert [name for name, inside in seen if inside] == ["exp"]
+    assert not inside_scope_hook() and scope_module._thread.in_hook == 0
+    del y
+
+
+def test_recomputes_region_recognises_checkpoints_by_their_pack_hooks() -> None:
+    from ckpt_lab.scope import recomputes_region
+
+    seen = []
+
+    def function(x: torch.Tensor) -> torch.Tensor:
+        seen.append(top_hooks()[0])
+        return x.sin()
+
+    a = leaves((3,))[0]
+    torch_checkpoint(function, a, use_reentrant=False)
+    ckpt_lab_checkpoint(function, a)
+    with saved_tensors_hooks(lambda t: t, lambda t: t):
+        seen.append(top_hooks()[0])
+    assert [recomputes_region(pack) for pack in seen] == [True, True, False]
+    assert [scope_module._recomputes_region(pack) for pack in seen] == [True, True, False]
