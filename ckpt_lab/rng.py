@@ -261,9 +261,19 @@ def capture_every_device(preserve_rng_state: bool) -> tuple[ReplayState, str | N
         else:
             uninitialised = accelerator.type
     rng = RNGState.capture(devices) if preserve_rng_state else None
-    settings = AutocastState.capture(device_types).settings
-    autocast_off = AutocastState(tuple((t, False, dtype) for t, _, dtype in settings), cache_enabled=False)
+    autocast_off = _AUTOCAST_OFF.get(accelerator)
+    if autocast_off is None:
+        # Made once per accelerator: which device types have autocast, each turned off (the dtype
+        # of an autocast that is off is never used).
+        settings = AutocastState.capture(device_types).settings
+        autocast_off = AutocastState(
+            tuple((t, False, dtype) for t, _, dtype in settings), cache_enabled=False
+        )
+        _AUTOCAST_OFF[accelerator] = autocast_off
     return ReplayState(rng=rng, autocast=autocast_off, devices=tuple(devices)), uninitialised
+
+
+_AUTOCAST_OFF: dict[Any, AutocastState] = {}
 
 
 def with_initialised_inside(state: ReplayState, device_type: str | None) -> ReplayState:

@@ -57,8 +57,6 @@ from ckpt_lab.rng import (
     ReplayState,
     RNGState,
     capture_every_device,
-    fork_rng,
-    forked,
     with_initialised_inside,
 )
 
@@ -176,6 +174,8 @@ class _ThreadState(threading.local):
     # pytorch/pytorch#130734). A count, not a flag: our hooks nest (an unpack we hand on to another
     # hook may unpack through us again).
     in_hook = 0
+    # The backward (graph task) in which this thread last replayed: NOTE [ The first replay of a backward ].
+    replayed_in = -1
     # This thread's resident hooks, made on first use (see section 5).
     hooks: _ResidentHooks | None = None
 
@@ -216,7 +216,7 @@ class _RecordingMode(TorchDispatchMode):
         written = self._before_writes(info, args, kwargs) if info.writes else []
         # The state of the generator it is about to draw from. See NOTE [ Random ops ].
         draw = GeneratorState.before(args, kwargs) if info.random and self.recording.rng else None
-        out = func(*args, **kwargs)
+        out = info.call(*args, **kwargs)  # func(...), without its Python frame: NOTE [ Speed ] (k)
         self.tape.record(func, info, args, kwargs, out, written, draw)
         return out
 
@@ -292,24 +292,6 @@ class _Tape:
         self.by_id[id(tensor)] = (weakref.ref(tensor), slot, id(storage))
         return slot
 
-    def _add_slot(
-        self,
-        tensor: torch.Tensor,
-        storage_slot: _Slot | None,
-        is_scope_tensor: bool,
-        version_slot: _Slot | None = None,
-        version: int | None = None,
-    ) -> _Slot:
-        """A slot for a tensor an op returned (None: the new slot itself is its storage or version slot)."""
-        slot = _Slot(len(self.slots))
-        storage_slot = slot if storage_slot is None else storage_slot
-        version_slot = slot if version_slot is None else version_slot
-        self.slots.append(_SlotRecord(None, storage_slot, version, None, is_scope_tensor, version_slot))
-        # A scope tensor is registered, so that the pack hook knows it (NOTE [ Speed ] (f)).
-        ref = self.register(tensor, storage_slot, version_slot) if is_scope_tensor else weakref.ref(tensor)
-        self.by_id[id(tensor)] = (ref, slot)
-        return slot
-
     def record(
         self, func: Any, info: OpInfo, args: tuple, kwargs: dict, out: Any, written: list, draw: Any
     ) -> None:
@@ -321,16 +303,46 @@ class _Tape:
         if not outputs and not written:
             # .item(), .equal() and the like: nothing a later op could read, nothing to replay.
             return
-        args = tuple([self.encode(a) for a in args])
-        kwargs = {k: self.encode(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS
+        by_id, encoded, reads = self.by_id, [], []
+        for a in args:
+            # ``encode``, inlined for a tensor the tape knows: NOTE [ Speed ] (c).
+            entry = by_id.get(id(a)) if isinstance(a, torch.Tensor) else None
+            a = entry[1] if entry is not None and entry[0]() is a else self.encode(a)
+            encoded.append(a)
+            if type(a) is _Slot:
+                reads.append(a)
+            elif type(a) is _Nested:
+                reads.extend(v for v in a if type(v) is _Slot)
+        args = tuple(encoded)
+        if kwargs:
+            kwargs = {k: self.encode(v) for k, v in kwargs.items()}
+            reads.extend(_slot_args(kwargs.values()))
+        else:
+            kwargs = _NO_KWARGS
         slots, metas = [], []
         for tensor, fresh in outputs:
-            meta = _meta(tensor)
-            entry = self.by_id.get(id(tensor))
-            # In-place and out= ops return an argument: it keeps its slot.
-            known = entry is not None and entry[0]() is tensor
-            slots.append(entry[1] if known else self._add_output(tensor, fresh, args, meta, grad))
+            try:  # _meta, inlined: NOTE [ Speed ] (c)
+                meta = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device)
+            except (RuntimeError, NotImplementedError):
+                meta = _meta(tensor)
+            entry = by_id.get(id(tensor))
             metas.append(meta)
+            if entry is not None and entry[0]() is tensor:
+                slots.append(entry[1])  # in-place and out= ops return an argument: it keeps its slot
+                continue
+            # New memory, says the schema: is it (an undeclared alias of memory the tape knows)?
+            storage = storage_of(tensor) if fresh else None
+            known = None if storage is None else self.storages.get(id(storage))
+            if storage is None or (known is not None and known[0]() is storage):
+                slots.append(_alias_slot(self, tensor, known if storage is not None else None, args))
+                continue
+            # New memory, what the scope exists for: a scope tensor, unless made with grad mode off.
+            # See NOTE [ What "born in the scope" means ].
+            slot = _Slot(len(self.slots))
+            self.slots.append(_SlotRecord(None, slot, tensor._version, meta, grad, slot))
+            self.storages[id(storage)] = (weakref.ref(storage), slot)
+            by_id[id(tensor)] = (self.register(tensor, slot, slot) if grad else weakref.ref(tensor), slot)
+            slots.append(slot)
         writes = ()
         if written:
             writes = tuple(slot for slot, _ in written)
@@ -342,35 +354,33 @@ class _Tape:
         if draw is not None:
             self.drawn.setdefault(draw.key(), draw)
         # See NOTE [ Speed ] (b).
-        op = (func, args, kwargs, tuple(slots), tuple(metas), writes, draw, grad)
+        op = (func, args, kwargs, tuple(slots), tuple(metas), writes, draw, grad, info.call, tuple(reads))
         self.ops.append(tuple.__new__(_Op, op))
 
-    def _add_output(self, tensor: torch.Tensor, fresh: bool, args: tuple, meta: tuple, grad: bool) -> _Slot:
-        storage = storage_of(tensor) if fresh else None
-        if storage is not None:
-            entry = self.storages.get(id(storage))
-            if entry is None or entry[0]() is not storage:
-                # New memory, what the scope exists for: a scope tensor, unless made with grad mode off.
-                # See NOTE [ What "born in the scope" means ]. (_add_slot, inlined: the common case.)
-                slot = _Slot(len(self.slots))
-                self.slots.append(_SlotRecord(None, slot, tensor._version, meta, grad, slot))
-                self.storages[id(storage)] = (weakref.ref(storage), slot)
-                ref = self.register(tensor, slot, slot) if grad else weakref.ref(tensor)
-                self.by_id[id(tensor)] = (ref, slot)
-                return slot
-            # An alias the schema does not declare (_unsafe_view, unsafe_split's chunks in GRU and LSTM
-            # cells) of memory the scope made: autograd gives it no base to be recognised by, so it is
-            # registered itself if that memory is; and a version counter of its own.
-            storage_slot = entry[1]
-            made = self.slots[storage_slot].is_scope_tensor
-            return self._add_slot(tensor, storage_slot, made, None, tensor._version)
+
+def _alias_slot(tape: _Tape, tensor: torch.Tensor, known: tuple | None, args: tuple) -> _Slot:
+    """A slot for an output on memory the tape knows (``known``: its storage's entry, None for a view)."""
+    slots = tape.slots
+    slot = _Slot(len(slots))
+    if known is not None:
+        # An alias the schema does not declare (_unsafe_view, unsafe_split's chunks in GRU and LSTM
+        # cells) of memory the scope made: autograd gives it no base to be recognised by, so it is
+        # registered itself if that memory is; and a version counter of its own.
+        storage_slot, version_slot, version = known[1], slot, tensor._version
+        made = slots[storage_slot].is_scope_tensor
+    else:
         # A view: it lives in the storage of the op's first tensor argument, and shares its version
         # counter. Not registered: the pack hook finds a view of a scope tensor by its _base, and a
         # detach() has none.
         base = next((a for a in args if type(a) is _Slot), None)
-        if base is None:
-            return self._add_slot(tensor, None, False)
-        return self._add_slot(tensor, self.slots[base].storage_slot, False, self.slots[base].version_slot)
+        storage_slot = slot if base is None else slots[base].storage_slot
+        version_slot = slot if base is None else slots[base].version_slot
+        version, made = None, False
+    slots.append(_SlotRecord(None, storage_slot, version, None, made, version_slot))
+    # A scope tensor is registered, so that the pack hook knows it (NOTE [ Speed ] (f)).
+    ref = tape.register(tensor, storage_slot, version_slot) if made else weakref.ref(tensor)
+    tape.by_id[id(tensor)] = (ref, slot)
+    return slot
 
 
 class _Recording:
@@ -414,7 +424,9 @@ class _Recording:
         replayer.closed = True
         # Safety net for schemas that lie: an output we took for new memory but that shares an outside
         # tensor's storage is stored, not recomputed (that tensor may change it, unseen).
-        borrowed = {id(storage_of(s.source.tensor)) for s in tape.slots if type(s.source) is _Borrowed}
+        inputs = [s.source.tensor for s in tape.slots if type(s.source) is _Borrowed]
+        borrowed = {id(storage_of(tensor)) for tensor in inputs}
+        replayer.chained = any(_scope_ref(tensor, register=False) is not None for tensor in inputs)
         lying = {storages[key][1] for key in borrowed if key in storages and storages[key][0]() is not None}
         for key in list(self.scope_tensors):
             entry = _SCOPE_TENSORS.get(key)
@@ -490,6 +502,8 @@ class _Op(NamedTuple):
     writes: tuple[_Slot, ...]  # slots it writes in place
     draw: GeneratorState | None  # a random op: its generator's state before it drew (NOTE [ Random ops ])
     grad: bool  # grad mode when it ran (some kernels ask: an RNN's returns a workspace only with it)
+    call: Any  # func's C++ entry point (OpInfo.call): NOTE [ Speed ] (k)
+    reads: tuple[_Slot, ...]  # the slots among its arguments, nested lists included (for _plan_replay)
 
 
 class _Nested(tuple):
@@ -613,7 +627,11 @@ def _scope_tensor_died(entry: _ScopeTensor) -> None:
     # Identity check: the entry may have been forgotten already (after an exception in the scope).
     if _SCOPE_TENSORS.get(entry.key) is entry:
         del _SCOPE_TENSORS[entry.key]
-        entry.recording.scope_tensor_died(entry.key)
+        recording = entry.recording
+        # recording.scope_tensor_died(key), inlined for the common case: NOTE [ Speed ] (l).
+        recording.scope_tensors.discard(entry.key)
+        if not recording.scope_tensors and not recording.open:
+            recording.hooks.forget(recording)
 
 
 class _PackHook:
@@ -628,11 +646,13 @@ class _PackHook:
         self.below = below
 
     def __call__(self, tensor: torch.Tensor) -> Any:
+        # A scope tensor: nothing here runs an op, so this hook need not be marked as running
+        # (see NOTE [ Per-thread state ] and NOTE [ Speed ] (l)).
+        ref = _scope_ref(tensor)
+        if ref is not None:
+            return ref
         _thread.in_hook += 1
         try:
-            ref = _scope_ref(tensor)
-            if ref is not None:
-                return ref
             if self.below is None:
                 return _Stored(tensor)
             pack, unpack = self.below
@@ -654,13 +674,33 @@ def _scope_ref(tensor: torch.Tensor, register: bool = True) -> _ScopeTensorRef |
     # A leaf that requires grad is the user's state (made in a scope still open).
     if made is None or (made.requires_grad and made.is_leaf):
         return None
-    return owner.recording.replayer.ref_for(tensor, owner.storage_slot, owner.version_slot, register)
+    replayer, storage_slot, version_slot = owner.recording.replayer, owner.storage_slot, owner.version_slot
+    version = tensor._version
+    # Limitation: a replay could not reproduce it. Modified in place by an op we did not record
+    # (after the scope), or a conjugate or negative view (a lazy bit that _restrided would drop).
+    if version != replayer.slots[version_slot].version or tensor.is_conj() or tensor.is_neg():
+        return None
+    geometry = None
+    # The registered tensor itself, on memory of its own, is its slot's tensor (NOTE [ Speed ] (o));
+    # a view or an undeclared alias is remade from its geometry, unless it has its base's.
+    if made is not tensor or storage_slot != version_slot:
+        shape, stride, offset, dtype, _ = replayer.slots[storage_slot].meta
+        geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
+        if geometry == (shape, stride, offset, dtype):
+            geometry = None
+    ref = _ScopeTensorRef(replayer, storage_slot, version_slot, version, geometry)
+    if register:
+        # Not registered: not wanted by a replay until ``serve`` is asked for it.
+        replayer.refs.append(weakref.ref(ref))
+    return ref
 
 
 def _unpack(packed: _ScopeTensorRef | _Stored | _Delegated) -> torch.Tensor:
     """The unpack hook of every entry of ours: each packed value knows how to give its tensor back."""
     _thread.in_hook += 1
     try:
+        if type(packed) is _ScopeTensorRef:  # packed.unpack(), without its frame: NOTE [ Speed ] (l)
+            return packed.replayer.serve(packed)
         return packed.unpack()
     finally:
         _thread.in_hook -= 1
@@ -672,7 +712,16 @@ class _ScopeTensorRef:
     lives in, the slot whose version counter it shares and its version when saved, and its geometry
     if it is a view (None: the slot's tensor)."""
 
-    __slots__ = ("__weakref__", "geometry", "replayer", "round", "storage_slot", "version", "version_slot")
+    __slots__ = (
+        "__weakref__",
+        "consumer",
+        "geometry",
+        "replayer",
+        "round",
+        "storage_slot",
+        "version",
+        "version_slot",
+    )
 
     def __init__(
         self, replayer: _Replayer, storage_slot: int, version_slot: int, version: int, geometry: tuple | None
@@ -683,6 +732,9 @@ class _ScopeTensorRef:
         self.version = version
         self.geometry = geometry
         self.round = -1  # the last replay that served this reference
+        # Saved after the scope closed, by an op that consumes its tensors (not by the scope's own
+        # ops): see NOTE [ The first replay of a backward ].
+        self.consumer = replayer.closed
 
     def unpack(self) -> torch.Tensor:
         return self.replayer.serve(self)
@@ -731,11 +783,29 @@ class _Delegated:
 # recomputed tensor of every slot that a live _ScopeTensorRef wants. Each is handed out, and
 # dropped as soon as every reference that wanted it has it: backward then holds the only
 # references. A second unpack of the same reference (retain_graph, a second backward) starts a new
-# round: it replays again. A replay runs only the ops a wanted tensor depends on (_Replayer._plan):
+# round: it replays again. (One exception, for a chain of scoped blocks: NOTE [ The first replay of
+# a backward ].) A replay runs only the ops a wanted tensor depends on (_plan_replay):
 # those that made it, wrote into its memory, or made what those read, and so on back. A random op
 # it skips does not shift the others' numbers: each sets its own generator's state, see
 # NOTE [ Random ops ]. And it frees each intermediate as soon as no later op reads it. Each op runs
 # below autograd, as it was recorded, in the grad mode it ran in (a few kernels ask).
+#
+# NOTE [ The first replay of a backward ]
+# Replaying everything at the first unpack has a cost in memory where backward starts. In a chain of
+# scoped blocks (a scope that read an earlier scope's tensor: _Replayer.chained), the first unpack
+# of a backward comes from the last block's consumer (the loss, a head), saving what the block
+# returned; all of the block's other saved tensors are wanted only later, by its own backward. Made
+# at once, they stood beside the consumer's backward temporaries, at the top of the step's memory
+# (every retained tensor is still alive then): one tensor of the last block above torch's
+# checkpoint, which recomputes a block inside the block's own backward (the MLP's 256 KiB, the
+# transformer's LayerNorm statistics; notebook 04 §5). So that first replay serves only the
+# references saved after the scope closed (``consumer``: by ops that consume what it returned), and
+# keeps the earlier scope's tensor it read; the block's own references get a second replay when
+# its backward first unpacks one (_Replayer.split). Cost: the ops of the last block run once more per
+# backward, 1/N of the recomputation of a chain of N blocks; the peak is then torch's or below on
+# every benchmark workload (README). Rejected: doing so for every block (twice the recomputation,
+# for no lower peak: later replays stand on memory backward has already freed), or for a scope on
+# its own (what it would spare is the same tensors, but it would pay its whole tape again).
 #
 # NOTE [ What a replay refuses ]
 # A replay refuses with CheckpointError what would otherwise give silently wrong gradients:
@@ -744,7 +814,7 @@ class _Delegated:
 # (3) recomputed outputs whose number, shape, strides, storage offset, dtype or device differ.
 # Modifications through .data bypass version counters, here as in autograd: (1) and (2) can't see
 # them, (3) catches those that change what a recomputed tensor looks like. A scope tensor a replay
-# could not reproduce is stored instead of recomputed (see _Replayer.ref_for).
+# could not reproduce is stored instead of recomputed (see _scope_ref).
 # Not detectable, so not refused: a scope tensor written through ``.data`` *after the scope* and
 # *before* autograd saves it. ``with scope(): w = a.sin()``,
 # then ``w.data.mul_(3)``, then ``y = w * c``: autograd saves the current w, 3·sin(a), and a replay
@@ -762,10 +832,10 @@ class _Plan(NamedTuple):
     alias_at: dict[int, list[int]]  # per op run: the _Alias slots it is the first to read
 
 
-def _slot_args(op: _Op) -> list[_Slot]:
-    """The slots among an op's arguments, nested lists included."""
+def _slot_args(args: Any) -> list[_Slot]:
+    """The slots among recorded arguments, nested lists included."""
     found = []
-    for arg in (*op.args, *op.kwargs.values()) if op.kwargs else op.args:
+    for arg in args:
         if type(arg) is _Slot:
             found.append(arg)
         elif type(arg) is _Nested:
@@ -792,7 +862,7 @@ def _plan_replay(ops: list[_Op], slots: list[_SlotRecord], wanted: Counter[int],
             else:
                 continue
         run.append(i)
-        for slot in _slot_args(op):
+        for slot in op.reads:
             needed_slots.add(slot)
             needed_storage.add(slots[slot].storage_slot)
     run.reverse()
@@ -801,7 +871,7 @@ def _plan_replay(ops: list[_Op], slots: list[_SlotRecord], wanted: Counter[int],
     first_use: dict[int, int] = {}
     for n, i in enumerate(run):
         op = ops[i]
-        for slot in _slot_args(op):
+        for slot in op.reads:
             last_use[slot] = n
             if slots[slot].source is not None:
                 first_use.setdefault(slot, n)
@@ -838,31 +908,18 @@ class _Replayer:
         # Weak: the graph owns the references. A dead one tells the replay its tensor is not needed.
         self.refs: list[weakref.ref[_ScopeTensorRef]] = []
         self.values: dict[int, torch.Tensor] = {}
-        self.pending: Counter[int] = Counter()
+        self.pending: dict[int, int] = {}
         self.round = 0
         self.cached_plan: _Plan | None = None
         # The scope's with block has ended: no op will be recorded any more (an input's source may change).
         self.closed = False
         # Later scopes that read one of our tensors and let it go (_Recomputed), weakly.
         self.offers: list[weakref.ref[_Recomputed]] = []
-
-    def ref_for(
-        self, tensor: torch.Tensor, storage_slot: int, version_slot: int, register: bool = True
-    ) -> _ScopeTensorRef | None:
-        """What autograd stores for a tensor living in ``storage_slot``'s storage and sharing
-        ``version_slot``'s version counter; None: store it normally. Not ``register``ed: not wanted by
-        a replay until ``serve`` is asked for it."""
-        version = tensor._version
-        # Limitation: a replay could not reproduce it. Modified in place by an op we did not record
-        # (after the scope), or a conjugate or negative view (a lazy bit that _restrided would drop).
-        if version != self.slots[version_slot].version or tensor.is_conj() or tensor.is_neg():
-            return None
-        geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
-        own = geometry == self.slots[storage_slot].meta[:4]
-        ref = _ScopeTensorRef(self, storage_slot, version_slot, version, None if own else geometry)
-        if register:
-            self.refs.append(weakref.ref(ref))
-        return ref
+        # (backward, round) of a first replay that served only the consumers, until the rest is served.
+        self.split: tuple[int, int] | None = None
+        # The scope read a tensor of an earlier scope: a block of a chain (NOTE [ The first replay of
+        # a backward ]). Known when the scope closes.
+        self.chained = False
 
     def serve(self, ref: _ScopeTensorRef) -> torch.Tensor:
         """Unpack: the recomputed tensor for ``ref``, replaying first if this round has none."""
@@ -878,14 +935,14 @@ class _Replayer:
                 )
             value = self.values.get(ref.storage_slot) if ref.round != self.round else None
             if value is None:
-                self._replay()
+                self._replay(ref)
                 value = self.values[ref.storage_slot]
             ref.round = self.round
             self.pending[ref.storage_slot] -= 1
             if self.pending[ref.storage_slot] <= 0:
                 # Every live reference to this slot has it now: backward holds the only references.
                 self.values.pop(ref.storage_slot, None)
-                del self.pending[ref.storage_slot]
+                self.pending.pop(ref.storage_slot, None)
         return value if ref.geometry is None else _restrided(value, ref.geometry)
 
     def _plan(self, wanted: Counter[int]) -> _Plan:
@@ -896,75 +953,111 @@ class _Replayer:
             self.cached_plan = _plan_replay(self.ops, self.slots, wanted, key)
         return self.cached_plan
 
-    def _replay(self) -> None:
+    def _replay(self, trigger: _ScopeTensorRef) -> None:
         refs = [r for r in (ref() for ref in self.refs) if r is not None]
         self.refs = [weakref.ref(r) for r in refs]
+        split, task = False, _graph_task_id()
+        if task != -1 and _thread.replayed_in != task:
+            # The first replay of this backward: see NOTE [ The first replay of a backward ].
+            _thread.replayed_in = task
+            if self.chained and trigger.consumer and not all(r.consumer for r in refs):
+                refs, split = [r for r in refs if r.consumer], True
+                self.split = (task, self.round + 1)
+        elif self.split is not None:
+            if self.split[0] == task:
+                # The rest, after a first replay that served only the consumers.
+                refs = [r for r in refs if r.round != self.split[1]]
+            self.split = None
         wanted = Counter(r.storage_slot for r in refs)
         plan = self._plan(wanted)
-        ops, slots, alias_at = self.ops, self.slots, plan.alias_at
-        values: list[Any] = [None] * len(slots)
+        values: list[Any] = [None] * len(self.slots)
         # Below autograd, as the ops were recorded: a replay builds no graph (backward wires the
         # unpacked tensors to the original one), and each op runs in the grad mode it ran in, which
         # a few kernels ask (CPU LSTM's mkldnn_rnn_layer returns its workspace only with grad on).
         # The forward's RNG in a fork, autocast off: see NOTE [ RNG and autocast in a replay ]; each
         # generator a random op drew from, forked too: see NOTE [ Random ops ].
-        grad = torch.is_grad_enabled()
-        with (
-            torch._C._AutoDispatchBelowAutograd(),
-            torch.set_grad_enabled(grad),
-            _replay_state(self.state),
-            forked(self.drawn.values()) if self.drawn else _NOTHING,
-        ):
-            # Inputs first: if one was modified in place since, fail before running anything.
-            for slot in plan.inputs:
-                source = slots[slot].source
-                values[slot] = value = source.materialize()
-                if type(source) is _Borrowed and self.closed:
-                    # An earlier scope's tensor: from now on, that scope recomputes it. See NOTE
-                    # [ Inputs are kept, not recomputed ].
-                    ref = _scope_ref(value, register=False)
-                    if ref is not None:
-                        slots[slot].source = _Recomputed(ref, self)
-            for n, i in enumerate(plan.run):
-                op = ops[i]
-                if op.grad is not grad:
-                    grad = op.grad
-                    torch._C._set_grad_enabled(grad)
-                if alias_at and n in alias_at:
-                    # A tensor sharing the scope's memory: a view of the recomputed memory.
-                    for slot in alias_at[n]:
-                        memory, geometry = values[slots[slot].storage_slot], slots[slot].source.geometry
-                        values[slot] = _restrided(memory, geometry)
-                _run(op, values)
-                for slot in plan.frees[n]:
-                    # Not needed by a later op nor by a reference: let it go now.
-                    values[slot] = None
+        grad = caller_grad = torch.is_grad_enabled()
+        rng = self.state.rng
+        # The caller's generators: those the scope's random ops drew from, and those of the entry
+        # state (NOTE [ Speed ] (i): put back by hand, not by a context manager per generator).
+        callers = [draw.now() for draw in self.drawn.values()]
+        if rng is not None:
+            callers.append(RNGState.capture(d for d, _ in rng.devices))
+        try:
+            with torch._C._AutoDispatchBelowAutograd(), _autocast_off(self.state):
+                if rng is not None:
+                    rng.restore()
+                _run_plan(self, plan, values, grad, let_go=not split)
+        finally:
+            for state in callers:
+                state.restore()
+            torch._C._set_grad_enabled(caller_grad)
         self.values = {slot: values[slot] for slot in wanted}
-        self.pending = wanted
+        self.pending = dict(wanted)
         if self.offers:
             self.offers = [o for o in self.offers if (offer := o()) is not None and offer.offer(self.values)]
         self.round += 1
 
 
-def _run(op: _Op, values: list[Any]) -> None:
-    """Re-run one recorded op on the replayed ``values`` (by slot), check what it returned, store it."""
-    # See NOTE [ Speed ] (d): _resolve, inlined for the positional arguments.
-    args = [
-        values[a] if type(a) is _Slot else a.resolve(values) if type(a) is _Nested else a for a in op.args
-    ]
-    kwargs = {k: _resolve(v, values) for k, v in op.kwargs.items()} if op.kwargs else op.kwargs
-    if op.draw is not None:
-        # Its generator as the forward's op found it. See NOTE [ Random ops ].
-        op.draw.restore()
-    out = op.func(*args, **kwargs)
-    recomputed = (out,) if isinstance(out, torch.Tensor) else [t for t, _ in _outputs(out, ())]
-    # Limitation (3) of NOTE [ What a replay refuses ], for both checks.
-    if len(recomputed) != len(op.outputs):
-        raise _replay_mismatch(op, f"{len(recomputed)} tensors", f"{len(op.outputs)}")
-    for slot, tensor, meta in zip(op.outputs, recomputed, op.metas, strict=True):
-        if _meta(tensor) != meta:
-            raise _replay_mismatch(op, _describe(_meta(tensor)), _describe(meta))
-        values[slot] = tensor
+def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, let_go: bool) -> None:
+    """Run ``plan``'s ops on the replayed ``values`` (by slot), checking what each returns. ``let_go``:
+    an earlier scope's tensor read as an input is let go afterwards (NOTE [ Inputs are kept, not
+    recomputed ]); not after a replay that served only the consumers, which the rest follows."""
+    ops, slots, alias_at = replayer.ops, replayer.slots, plan.alias_at
+    # Inputs first: if one was modified in place since, fail before running anything.
+    for slot in plan.inputs:
+        source = slots[slot].source
+        values[slot] = value = source.materialize()
+        if type(source) is _Borrowed and replayer.closed and let_go:
+            # An earlier scope's tensor: from now on, that scope recomputes it. See NOTE
+            # [ Inputs are kept, not recomputed ].
+            ref = _scope_ref(value, register=False)
+            if ref is not None:
+                slots[slot].source = _Recomputed(ref, replayer)
+    for n, i in enumerate(plan.run):
+        op = ops[i]
+        # The fields at once, not one attribute at a time (NOTE [ Speed ] (m)).
+        _, args, kwargs, outputs, metas, _, draw, op_grad, call, _ = op
+        if op_grad is not grad:
+            grad = op_grad
+            torch._C._set_grad_enabled(grad)
+        if alias_at and n in alias_at:
+            # A tensor sharing the scope's memory: a view of the recomputed memory.
+            for slot in alias_at[n]:
+                values[slot] = _restrided(values[slots[slot].storage_slot], slots[slot].source.geometry)
+        # See NOTE [ Speed ] (d): _resolve, inlined for the positional arguments.
+        args = [
+            values[a] if type(a) is _Slot else a.resolve(values) if type(a) is _Nested else a for a in args
+        ]
+        if draw is not None:
+            # Its generator as the forward's op found it. See NOTE [ Random ops ].
+            draw.restore()
+        # op.func(...), without its Python frame: NOTE [ Speed ] (k).
+        out = call(*args, **{k: _resolve(v, values) for k, v in kwargs.items()}) if kwargs else call(*args)
+        if type(out) is torch.Tensor and len(outputs) == 1:
+            _check_replayed(op, out, metas[0])
+            values[outputs[0]] = out
+        else:
+            recomputed = [t for t, _ in _outputs(out, ())]
+            if len(recomputed) != len(outputs):
+                # Limitation (3) of NOTE [ What a replay refuses ], as _check_replayed.
+                raise _replay_mismatch(op, f"{len(recomputed)} tensors", f"{len(outputs)}")
+            for slot, tensor, meta in zip(outputs, recomputed, metas, strict=True):
+                _check_replayed(op, tensor, meta)
+                values[slot] = tensor
+        for slot in plan.frees[n]:
+            # Not needed by a later op nor by a reference: let it go now.
+            values[slot] = None
+
+
+def _check_replayed(op: _Op, tensor: torch.Tensor, meta: tuple) -> None:
+    """Limitation (3) of NOTE [ What a replay refuses ]: the replayed tensor looks like the forward's."""
+    try:  # _meta, inlined: NOTE [ Speed ] (c)
+        same = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device) == meta
+    except (RuntimeError, NotImplementedError):
+        same = _meta(tensor) == meta
+    if not same:
+        raise _replay_mismatch(op, _describe(_meta(tensor)), _describe(meta))
 
 
 def _resolve(arg: Any, values: list[Any]) -> Any:
@@ -1197,22 +1290,12 @@ _NOTHING = contextlib.nullcontext()
 # untouched. An accelerator first initialised inside the scope is replayed from its freshly seeded
 # state (``with_initialised_inside``). Each random op then sets its own generator's state (explicit
 # torch.Generator arguments included): see NOTE [ Random ops ].
-def _replay_state(state: ReplayState) -> Any:
-    """``state.replay()``, without entering autocast contexts when autocast is off already (NOTE
-    [ Speed ] (i))."""
+def _autocast_off(state: ReplayState) -> Any:
+    """``state.autocast.restored()`` (autocast off), without entering autocast contexts when autocast
+    is off already (NOTE [ Speed ] (i)). The RNG part of ``state.replay()`` is in _Replayer._replay."""
     if any(torch.is_autocast_enabled(device_type) for device_type, _, _ in state.autocast.settings):
-        return state.replay()
-    if state.rng is None:
-        return _NOTHING
-    return _rng_replayed(state.rng)
-
-
-@contextlib.contextmanager
-def _rng_replayed(rng: RNGState) -> Iterator[None]:
-    # What ReplayState.replay does for the RNG: the forward's state inside a fork.
-    with fork_rng(d for d, _ in rng.devices):
-        rng.restore()
-        yield
+        return state.autocast.restored()
+    return _NOTHING
 
 
 # ======================================================================================================
@@ -1433,7 +1516,9 @@ def _skip_dynamo(code: types.CodeType) -> None:
 #     (an OpOverload's __hash__ is a Python method, and op_info() a Python call).
 # (b) tuple.__new__(_Op, ...) rather than _Op(...): a NamedTuple's __new__ is a Python function.
 # (c) One tensor returned, the common case, is handled without calling _outputs; and _outputs
-#     flattens by hand, without pytree's generic (and slower) traversal.
+#     flattens by hand, without pytree's generic (and slower) traversal. The common paths of a
+#     recorded op are written out in _Tape.record (a known tensor argument, an output's metadata,
+#     new memory), the rare ones are calls (encode, _alias_slot).
 # (d) type(x) is _Slot rather than isinstance(), and _resolve inlined where it runs once per
 #     argument of every replayed op.
 # (e) One shared empty dict (_NO_KWARGS) for ops called without keyword arguments.
@@ -1445,10 +1530,24 @@ def _skip_dynamo(code: types.CodeType) -> None:
 # (h) Reading a tensor the tape knows costs one dict lookup and a weakref call, nothing more: a
 #     swapped storage (``p.data = ...``) is looked for only before an op writes to it in place.
 # (i) Per scope rather than per op, for a chain of small scoped blocks: a replay enters no autocast
-#     context when autocast is off already, and a leaf saved in the scope (a parameter) is stored
-#     without a detach op (which would run through the recording mode).
+#     context when autocast is off already and puts the caller's generators back by hand (not a
+#     context manager per generator); a leaf saved in the scope (a parameter) is stored without a
+#     detach op (which would run through the recording mode); the autocast-off state a scope
+#     captures is made once per accelerator (ckpt_lab.rng.capture_every_device).
 # (j) torch wraps a dispatch mode's __torch_dispatch__ in torch._dynamo.disable (so that Dynamo
 #     never traces it), a Python wrapper that swaps the frame-evaluation callback four times per
 #     call: a tenth of the scope's time on a chain of pointwise ops. Instead the mode's code object
 #     is marked once for Dynamo to skip, with every frame it calls (_skip_dynamo): the same
 #     protection, paid in C.
+# (k) An OpOverload's __call__ is a Python frame that calls its C++ entry point, ``func._op``; the
+#     recording and the replay call that entry point (OpInfo.call, _Op.call) directly.
+# (l) Frames spared per saved tensor: the pack hook marks itself as running (NOTE [ Per-thread
+#     state ]) only on the paths that may run ops (storing, handing on), not for a scope tensor; the
+#     unpack hook serves a scope tensor's reference without calling its unpack method; the callback
+#     of a scope tensor's death does the recording's bookkeeping itself.
+# (m) A replay unpacks each recorded op's fields at once; its plan reads the slots each op reads
+#     from _Op.reads, gathered while the op was recorded, not from its arguments again.
+# (o) The pack hook compares a tensor's geometry with its slot's only for a view or an undeclared
+#     alias: the registered tensor itself, on memory of its own, is its slot's tensor.
+# Measured on the benchmark's chain of 64 dropout blocks (paired rounds, one thread, process time on
+# a shared machine): (k)-(o) took the scope from 1.26x to 1.16x torch's non-reentrant checkpoint.

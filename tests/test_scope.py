@@ -459,15 +459,18 @@ def scoped_chain(depth: int = 3, dim: int = 16) -> tuple[list[torch.Tensor], lis
 
 
 def test_a_later_scope_lets_go_of_an_earlier_scopes_tensor_once_replayed() -> None:
-    # Scope 2 keeps h1 (an input it reads) until its first replay; then scope 1 recomputes it.
+    # Scope 2 keeps h1 (an input it reads) until it has replayed for its own backward; then scope 1
+    # recomputes it. (Its first replay, for the loss, serves the loss alone and keeps h1: NOTE
+    # [ The first replay of a backward ].)
     (h1, h2), params, expected = scoped_chain(depth=2)
     ref = weakref.ref(h1)
     del h1
-    alive_after_replay = []
-    h2.register_hook(lambda grad: alive_after_replay.append(ref() is not None))
-    h2.square().sum().backward()  # the loss's backward unpacks h2: scope 2 replays, reading h1
+    alive = []
+    h2.register_hook(lambda grad: alive.append(ref() is not None))  # after the loss's backward
+    params[3].register_hook(lambda grad: alive.append(ref() is not None))  # in block 2's backward
+    h2.square().sum().backward()
     del h2
-    assert alive_after_replay == [False]
+    assert alive == [True, False]
     assert_all_equal([p.grad for p in params], expected)
 
 
@@ -483,11 +486,55 @@ def test_a_second_backward_through_a_chain_does_not_cascade() -> None:
         del outputs
         loss.backward(retain_graph=True)
         loss.backward()
-    assert replays_when_h3_served == [1, 3 + 1]  # scope 3 alone, in each backward
-    assert counter.counts["addmm"] == 6  # one replay of each block per backward
+    # Scope 3 alone, in each backward (for the loss: NOTE [ The first replay of a backward ]).
+    assert replays_when_h3_served == [1, 4 + 1]
+    # Per backward, a replay of each block, and one more of the last block for its own backward.
+    assert counter.counts["addmm"] == 8
     assert_all_equal([p.grad for p in params], [2 * g for g in expected])
     del loss
     gc.collect()
+
+
+def test_the_first_replay_of_a_backward_serves_only_the_loss_so_the_peak_is_torchs() -> None:
+    # NOTE [ The first replay of a backward ]: in a chain of scoped blocks the loss's unpack replays
+    # the last block for the loss alone; the block's own saved tensors come from a second replay in
+    # its own backward, so they are not alive beside the loss's backward temporaries.
+    depth, width = 4, 64
+
+    def stack() -> tuple[list[nn.Module], torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.1)) for _ in range(depth)]
+        return blocks, torch.randn(16, width, requires_grad=True)
+
+    def run(wrap: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> tuple[int, list, int]:
+        blocks, x = stack()
+
+        def loss() -> torch.Tensor:
+            torch.manual_seed(1)
+            h = x
+            for block in blocks:
+                h = wrap(block, h)
+            return h.square().mean()
+
+        peak = measure_memory(loss).peak_bytes
+        with OpCounter() as counter:
+            loss().backward()
+        return peak, grads(x, *(p for b in blocks for p in b.parameters())), counter.counts["addmm"]
+
+    def scoped(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        with gradient_checkpoint_scope():
+            return block(h)
+
+    _, plain, _ = run(lambda block, h: block(h))
+    torch_peak, torch_grads, torch_addmm = run(
+        lambda block, h: torch_checkpoint(block, h, use_reentrant=False)
+    )
+    scope_peak, scope_grads, scope_addmm = run(scoped)
+    assert_all_equal(scope_grads, plain)
+    assert_all_equal(torch_grads, plain)
+    assert scope_peak <= torch_peak
+    # The forward, a replay of each block, and one more of the last block (torch: one re-run each).
+    assert (torch_addmm, scope_addmm) == (2 * depth, 2 * depth + 1)
 
 
 # ------------------------------------------------------------------------------- in-place updates
