@@ -32,6 +32,7 @@ it imports nothing else of ``ckpt_lab``.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 import types
@@ -798,14 +799,18 @@ class _Delegated:
 # at once, they stood beside the consumer's backward temporaries, at the top of the step's memory
 # (every retained tensor is still alive then): one tensor of the last block above torch's
 # checkpoint, which recomputes a block inside the block's own backward (the MLP's 256 KiB, the
-# transformer's LayerNorm statistics; notebook 04 §5). So that first replay serves only the
-# references saved after the scope closed (``consumer``: by ops that consume what it returned), and
-# keeps the earlier scope's tensor it read; the block's own references get a second replay when
-# its backward first unpacks one (_Replayer.split). Cost: the ops of the last block run once more per
-# backward, 1/N of the recomputation of a chain of N blocks; the peak is then torch's or below on
-# every benchmark workload (README). Rejected: doing so for every block (twice the recomputation,
-# for no lower peak: later replays stand on memory backward has already freed), or for a scope on
-# its own (what it would spare is the same tensors, but it would pay its whole tape again).
+# transformer's LayerNorm statistics; notebook 04 §5). So that first replay serves the references
+# saved after the scope closed (``consumer``: by ops that consume what it returned); the block's own
+# references get a second replay when its backward first unpacks one (_Replayer.split). The first
+# replay keeps the earlier scope's tensor it read, unless it can keep, in its stead and within its
+# bytes, some of the block's own tensors from which the second replay needs no earlier scope's
+# tensor (_kept_for_the_second_replay: on the MLP, the Linear's output, and the second replay runs
+# GELU and the dropout mask only). Cost: the ops of the second replay, at most the last block once
+# more per backward (1/N of a chain's recomputation; on a transformer layer its attention, which
+# reads the block's input). The peak is then torch's or below on every benchmark workload (README).
+# Rejected: doing so for every block (twice the recomputation for no lower peak: later replays stand
+# on memory backward has already freed), or for a scope on its own (what it spares is the same
+# tensors, but the second replay may be its whole tape again).
 #
 # NOTE [ What a replay refuses ]
 # A replay refuses with CheckpointError what would otherwise give silently wrong gradients:
@@ -843,12 +848,15 @@ def _slot_args(args: Any) -> list[_Slot]:
     return found
 
 
-def _plan_replay(ops: list[_Op], slots: list[_SlotRecord], wanted: Counter[int], key: tuple) -> _Plan:
-    """What a replay for ``wanted`` (storage slots) runs: see NOTE [ One replay per backward ]."""
+def _plan_replay(
+    ops: list[_Op], slots: list[_SlotRecord], wanted: Counter[int], key: tuple, held: frozenset = frozenset()
+) -> _Plan:
+    """What a replay for ``wanted`` (storage slots) runs: see NOTE [ One replay per backward ].
+    ``held``: slots whose tensors the replay already has (NOTE [ The first replay of a backward ])."""
     # Backwards from the end: an op runs if a later one (or a reference) needs a tensor it returns,
     # or if it writes into memory that is needed (a storage slot: its own, or a view's).
     needed_slots: set[int] = set()
-    needed_storage = set(wanted)
+    needed_storage = set(wanted) - held
     run: list[int] = []
     for i in range(len(ops) - 1, -1, -1):
         op = ops[i]
@@ -863,8 +871,9 @@ def _plan_replay(ops: list[_Op], slots: list[_SlotRecord], wanted: Counter[int],
                 continue
         run.append(i)
         for slot in op.reads:
-            needed_slots.add(slot)
-            needed_storage.add(slots[slot].storage_slot)
+            if slot not in held:
+                needed_slots.add(slot)
+                needed_storage.add(slots[slot].storage_slot)
     run.reverse()
     # Over the ops that run: when each input is first read, and when each slot is last needed.
     last_use: dict[int, int] = {}
@@ -945,32 +954,36 @@ class _Replayer:
                 self.pending.pop(ref.storage_slot, None)
         return value if ref.geometry is None else _restrided(value, ref.geometry)
 
-    def _plan(self, wanted: Counter[int]) -> _Plan:
+    def _plan(self, wanted: Counter[int], held: frozenset = frozenset()) -> _Plan:
         """What a replay for ``wanted`` runs (``_plan_replay``); computed again only if ops were
         recorded since (the scope is open) or other tensors are wanted."""
-        key = (len(self.ops), frozenset(wanted))
+        key = (len(self.ops), frozenset(wanted), held)
         if self.cached_plan is None or self.cached_plan.key != key:
-            self.cached_plan = _plan_replay(self.ops, self.slots, wanted, key)
+            self.cached_plan = _plan_replay(self.ops, self.slots, wanted, key, held)
         return self.cached_plan
 
     def _replay(self, trigger: _ScopeTensorRef) -> None:
         refs = [r for r in (ref() for ref in self.refs) if r is not None]
         self.refs = [weakref.ref(r) for r in refs]
-        split, task = False, _graph_task_id()
+        let_go, held, task = True, frozenset(), _graph_task_id()
         if task != -1 and _thread.replayed_in != task:
             # The first replay of this backward: see NOTE [ The first replay of a backward ].
             _thread.replayed_in = task
             if self.chained and trigger.consumer and not all(r.consumer for r in refs):
-                refs, split = [r for r in refs if r.consumer], True
+                keep, let_go = _kept_for_the_second_replay(self, refs)
+                refs = [r for r in refs if r.consumer or r.storage_slot in keep]
                 self.split = (task, self.round + 1)
         elif self.split is not None:
             if self.split[0] == task:
-                # The rest, after a first replay that served only the consumers.
+                # The rest, after a first replay that served the consumers (and kept ``held``).
                 refs = [r for r in refs if r.round != self.split[1]]
+                held = frozenset(slot for slot in self.values if any(r.storage_slot == slot for r in refs))
             self.split = None
         wanted = Counter(r.storage_slot for r in refs)
-        plan = self._plan(wanted)
+        plan = self._plan(wanted, held)
         values: list[Any] = [None] * len(self.slots)
+        for slot in held:
+            values[slot] = self.values[slot]
         # Below autograd, as the ops were recorded: a replay builds no graph (backward wires the
         # unpacked tensors to the original one), and each op runs in the grad mode it ran in, which
         # a few kernels ask (CPU LSTM's mkldnn_rnn_layer returns its workspace only with grad on).
@@ -987,7 +1000,7 @@ class _Replayer:
             with torch._C._AutoDispatchBelowAutograd(), _autocast_off(self.state):
                 if rng is not None:
                     rng.restore()
-                _run_plan(self, plan, values, grad, let_go=not split)
+                _run_plan(self, plan, values, grad, let_go)
         finally:
             for state in callers:
                 state.restore()
@@ -997,6 +1010,33 @@ class _Replayer:
         if self.offers:
             self.offers = [o for o in self.offers if (offer := o()) is not None and offer.offer(self.values)]
         self.round += 1
+
+
+def _kept_for_the_second_replay(replayer: _Replayer, refs: list[_ScopeTensorRef]) -> tuple[set[int], bool]:
+    """For a first replay that serves the consumers (NOTE [ The first replay of a backward ]): which
+    of the block's own tensors it keeps too, and whether it lets go of the earlier scopes' tensors
+    it reads. It keeps some if then the second replay needs none of those tensors, and they weigh no
+    more than those tensors do (the peak stays where it was); else none, and lets go of nothing."""
+    ops, slots = replayer.ops, replayer.slots
+    consumers = Counter(r.storage_slot for r in refs if r.consumer)
+    own = Counter(r.storage_slot for r in refs if not r.consumer and r.storage_slot not in consumers)
+    first = _plan_replay(ops, slots, consumers, ())
+    earlier = {s for s in first.inputs if type(slots[s].source) is _Borrowed}
+    earlier = {s for s in earlier if _scope_ref(slots[s].source.tensor, register=False) is not None}
+    written = {slots[w].storage_slot for op in ops for w in op.writes}
+    made_by = {o: i for i in first.run for o in ops[i].outputs}
+    # Kept as the first replay made them: memory no op writes to, made by an op it runs; the latest
+    # first (it spares the second replay the most).
+    candidates = sorted((s for s in own if s not in written and s in made_by), key=made_by.get, reverse=True)
+    kept: list[int] = []
+    for slot in candidates[:4]:
+        kept.append(slot)
+        second = _plan_replay(ops, slots, own, (), frozenset(kept))
+        if not earlier & set(second.inputs):
+            size = sum(math.prod(slots[s].meta[0]) * slots[s].meta[3].itemsize for s in kept)
+            budget = sum(slots[s].source.tensor.untyped_storage().nbytes() for s in earlier)
+            return (set(kept), True) if size <= budget else (set(), False)
+    return set(), False
 
 
 def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, let_go: bool) -> None:
