@@ -971,7 +971,9 @@ class _Replayer:
             _thread.replayed_in = task
             if self.chained and trigger.consumer and not all(r.consumer for r in refs):
                 keep, let_go = _kept_for_the_second_replay(self, refs)
-                refs = [r for r in refs if r.consumer or r.storage_slot in keep]
+                # The consumers' tensors (for every reference to them) and those kept.
+                served = keep | {r.storage_slot for r in refs if r.consumer}
+                refs = [r for r in refs if r.storage_slot in served]
                 self.split = (task, self.round + 1)
         elif self.split is not None:
             if self.split[0] == task:
