@@ -101,6 +101,9 @@ class OpInfo(NamedTuple):
     # generator of its device: an op with the ``nondeterministic_seeded`` tag, and any op from outside
     # aten and prims (a custom op can't be known not to).
     random: bool = False
+    # The C++ entry point the OpOverload's ``__call__`` forwards to (``func._op``): calling it skips
+    # that Python frame, once per op for a dispatch mode that runs every op (the scope).
+    call: Any = None
 
     def written(self, args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, bool]]:
         """The tensors a call with ``args`` and ``kwargs`` writes to, each with its ``marked`` flag."""
@@ -141,5 +144,5 @@ def op_info(func: Any) -> OpInfo:
         fresh = tuple(ret.alias_info is None for ret in schema.returns)
         tags, namespace = getattr(func, "tags", ()), getattr(func, "namespace", "aten")
         random = torch.Tag.nondeterministic_seeded in tags or namespace not in _KNOWN_NAMESPACES
-        info = _OP_INFO[id(func)] = OpInfo(func, writes, fresh, random)
+        info = _OP_INFO[id(func)] = OpInfo(func, writes, fresh, random, getattr(func, "_op", func))
     return info

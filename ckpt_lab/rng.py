@@ -16,13 +16,25 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["AutocastState", "RNGState", "ReplayState", "device_initialised", "fork_rng", "tensor_devices"]
+__all__ = [
+    "AutocastState",
+    "GeneratorState",
+    "RNGState",
+    "ReplayState",
+    "capture_every_device",
+    "device_initialised",
+    "fork_rng",
+    "forked",
+    "seeded_states",
+    "tensor_devices",
+    "with_initialised_inside",
+]
 
 
 def tensor_devices(*args: Any) -> list[torch.device]:
@@ -140,3 +152,150 @@ class ReplayState:
             self.rng.restore()
             with self.autocast.restored():
                 yield
+
+
+# =============================================================== the scope's RNG: per random op, per device
+# ``gradient_checkpoint_scope`` (notebook 04 §4) replays a recording long after the forward, and code
+# in the scope may reseed between two random ops, so a snapshot at entry is not enough: each random op
+# records the state of the generator it draws from (``GeneratorState``), and a replay sets it back
+# before re-running the op, inside ``forked``. The entry snapshot covers the CPU and every device of an
+# initialised accelerator (``capture_every_device``), since which devices the scope will draw from
+# can't be known when it opens.
+_CPU = torch.device("cpu")
+
+
+class GeneratorState:
+    """A generator (an explicit ``torch.Generator``, or a device's default one) and its state at one
+    moment: taken just before a random op draws (``before``), set back before its replay (``restore``).
+
+    Cost: a ``get_state`` per random op recorded (about 1 µs; the CPU's Mersenne Twister state is
+    5 KB, a CUDA generator's 16 bytes), a ``set_state`` per random op replayed.
+    """
+
+    __slots__ = ("device", "generator", "state")
+
+    def __init__(
+        self, generator: torch.Generator | None, device: torch.device | None, state: torch.Tensor
+    ) -> None:
+        self.generator = generator  # None: the default generator of ``device`` (not the CPU's)
+        self.device = device
+        self.state = state
+
+    @staticmethod
+    def before(args: tuple, kwargs: dict) -> GeneratorState | None:
+        """The state of the generator an op called with ``args`` and ``kwargs`` is about to draw from:
+        its ``generator`` argument if one is passed, else the default generator of its device (a
+        factory's ``device`` argument, else its first tensor's). None for the meta device."""
+        generator = kwargs.get("generator")
+        device = kwargs.get("device")
+        # One pass: the first tensor names the device; a few schemas take the generator positionally
+        # (rrelu_with_noise, _fused_dropout).
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                if device is None:
+                    device = arg.device
+            elif isinstance(arg, torch.Generator):
+                generator = arg
+        if generator is not None:
+            return GeneratorState(generator, None, generator.get_state())
+        if device is None:
+            # out= factories (randn.out): the out tensor's device.
+            device = next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), _CPU)
+        elif type(device) is not torch.device:
+            device = torch.device(device)
+        if device.type == "cpu":
+            return GeneratorState(torch.default_generator, None, torch.default_generator.get_state())
+        if device.type == "meta":
+            return None  # draws nothing
+        module = torch.get_device_module(device.type)
+        if device.index is None:
+            # The current device now, which backward's may not be.
+            device = torch.device(device.type, module.current_device())
+        return GeneratorState(None, device, module.get_rng_state(device))
+
+    def key(self) -> Any:
+        """Which generator: the same key for two states of one generator."""
+        return self.device if self.generator is None else self.generator
+
+    def now(self) -> GeneratorState:
+        """The same generator's state now."""
+        if self.generator is not None:
+            return GeneratorState(self.generator, None, self.generator.get_state())
+        module = torch.get_device_module(self.device.type)
+        return GeneratorState(None, self.device, module.get_rng_state(self.device))
+
+    def restore(self) -> None:
+        if self.generator is not None:
+            self.generator.set_state(self.state)
+        else:
+            torch.get_device_module(self.device.type).set_rng_state(self.state, self.device)
+
+
+@contextlib.contextmanager
+def forked(states: Iterable[GeneratorState]) -> Iterator[None]:
+    """Run the body, then put every generator of ``states`` back as it is now."""
+    now = [state.now() for state in states]
+    try:
+        yield
+    finally:
+        for state in now:
+            state.restore()
+
+
+def capture_every_device(preserve_rng_state: bool) -> tuple[ReplayState, str | None]:
+    """What a scope captures when it opens: the RNG of the CPU and of every device of an initialised
+    accelerator (None with ``preserve_rng_state=False``), and autocast *off* (the recorded ops are
+    already cast: replayed under autocast, they would be cast again).
+
+    Also returns the accelerator's type if it is not initialised yet (see ``with_initialised_inside``).
+    Never initialises it: for CUDA that means creating a context, seconds and hundreds of MiB.
+    """
+    accelerator = torch.accelerator.current_accelerator()
+    device_types = [] if accelerator is None else [accelerator.type]
+    devices: list[torch.device] = []
+    uninitialised = None
+    if accelerator is not None:
+        if device_initialised(accelerator.type):
+            # Every device: which ones the scope will draw from can't be known now.
+            devices = [torch.device(accelerator.type, i) for i in range(torch.accelerator.device_count())]
+        else:
+            uninitialised = accelerator.type
+    rng = RNGState.capture(devices) if preserve_rng_state else None
+    autocast_off = _AUTOCAST_OFF.get(accelerator)
+    if autocast_off is None:
+        # Made once per accelerator: which device types have autocast, each turned off (the dtype
+        # of an autocast that is off is never used).
+        settings = AutocastState.capture(device_types).settings
+        autocast_off = AutocastState(
+            tuple((t, False, dtype) for t, _, dtype in settings), cache_enabled=False
+        )
+        _AUTOCAST_OFF[accelerator] = autocast_off
+    return ReplayState(rng=rng, autocast=autocast_off, devices=tuple(devices)), uninitialised
+
+
+_AUTOCAST_OFF: dict[Any, AutocastState] = {}
+
+
+def with_initialised_inside(state: ReplayState, device_type: str | None) -> ReplayState:
+    """``state``, plus the freshly seeded generators of ``device_type`` if it was first initialised
+    after ``capture_every_device`` (inside the scope): its generators started from their seeds."""
+    if device_type is None or state.rng is None or not device_initialised(device_type):
+        return state
+    fresh = seeded_states(device_type)
+    rng = RNGState(cpu=state.rng.cpu, devices=state.rng.devices + fresh)
+    return replace(state, rng=rng, devices=state.devices + tuple(d for d, _ in fresh))
+
+
+def seeded_states(device_type: str) -> tuple[tuple[torch.device, torch.Tensor], ...]:
+    """The state each default generator of ``device_type`` had when it was created: its seed, offset 0.
+
+    Blind spot: a ``set_rng_state`` queued before the device was initialised is not known here.
+    """
+    module = torch.get_device_module(device_type)
+    states = []
+    for i, generator in enumerate(getattr(module, "default_generators", ())):
+        device = torch.device(device_type, i)
+        seeded = torch.Generator(device=device)
+        seeded.manual_seed(generator.initial_seed())
+        states.append((device, seeded.get_state()))
+    return tuple(states)

@@ -1,31 +1,44 @@
 """``gradient_checkpoint_scope``: every tensor created inside it is recomputed in backward.
 
 Same semantics as RETURNN's ``returnn.torch.util.gradient_checkpoint.gradient_checkpoint_scope``,
-written from scratch. Introduced in notebook 04, and read top to bottom in the order it tells::
+written from scratch. Introduced in notebook 04::
 
     with gradient_checkpoint_scope():
         x = a + b
     y = x * c        # autograd saves a small reference instead of x; backward re-runs a + b
 
-1. The entry point, and where a scope does nothing.
-2. Recording: ``_RecordingMode`` writes every aten op into a ``_Recording``, the scope's tape.
-3. Packing: ``_PackHook`` recognises a scope tensor by its identity, in ``_MEMBERS``.
-4. Replay: ``_Replayer`` re-runs the tape once per backward, and checks what it recomputed.
-5. The resident hooks: how our pack hook outlives the ``with`` block, and how it is released.
+``ckpt_lab.scope_core`` is the same mechanism at its smallest (read it first); this is the shipped
+scope, hardened for real code. Both pass ``ckpt_lab.scope_checks``. Top to bottom:
 
-The design notes sit next to the code they explain, as ``NOTE [ ... ]`` comments that the code cites.
+1. The public API: the entry point, where a scope does nothing, and the accessors notebooks use.
+2. Recording: ``_RecordingMode`` writes every aten op onto a ``_Tape``; the ``_Recording`` is the
+   scope's lifetime (open or closed, which of its scope tensors are alive).
+3. Packing: ``_PackHook`` recognises a scope tensor by its identity, in ``_SCOPE_TENSORS``.
+4. Replay: ``_Replayer`` re-runs what the wanted tensors need (``_plan_replay``), once per backward,
+   and checks what it recomputed.
+5. The resident hooks: how our pack hook outlives the ``with`` block, and how it is released.
+6. RNG: the forward's random numbers, drawn again (the capture itself lives in ``ckpt_lab.rng``).
+
+Then, behind a banner, the hardening: what the tape leaves out, a scope inside a checkpoint, outside
+inputs let go once replayed, in-place writes to outside tensors, aliases of the scope's memory, and
+Dynamo. Last, an appendix: NOTE [ Speed ], the shortcuts of the per-op path, lettered (a) to (j)
+and cited from the code. The design notes sit next to the code they explain, as ``NOTE [ ... ]``
+comments that the code cites.
+
+Copying this file takes ``ckpt_lab/errors.py``, ``ckpt_lab/rng.py`` and ``ckpt_lab/_aten.py`` with it:
+it imports nothing else of ``ckpt_lab``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 import types
 import weakref
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -40,12 +53,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckpt_lab._aten import _OP_INFO, OpInfo, op_info, storage_of
 from ckpt_lab.errors import CheckpointError
-from ckpt_lab.rng import AutocastState, ReplayState, RNGState, device_initialised, fork_rng
+from ckpt_lab.rng import (
+    GeneratorState,
+    ReplayState,
+    RNGState,
+    capture_every_device,
+    with_initialised_inside,
+)
 
-__all__ = ["gradient_checkpoint_scope"]
+__all__ = [
+    "gradient_checkpoint_scope",
+    "inside_scope_hook",
+    "is_scope_pack_hook",
+    "leftovers",
+    "pack_hook_below",
+    "recomputes_region",
+]
 
 
-# =================================================================================== 1. entry point
+# ============================================================================= 1. the public API
 @contextlib.contextmanager
 def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[None]:
     """Every tensor created inside is recomputed in backward instead of being stored for it.
@@ -98,6 +124,48 @@ def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[No
         hooks.close_scope(recording, entry, failed)
 
 
+# What a notebook (or a debugger) may read from inside the scope, without its private names.
+def is_scope_pack_hook(hook: Any) -> bool:
+    """Whether ``hook``, a pack hook read from the saved-tensors-hooks stack, is one of the scope's
+    entries: an open scope's own, the resident entry, or a wrapper standing in for another hook
+    (see NOTE [ Hooks that outlive the with block ])."""
+    return isinstance(hook, _PackHook)
+
+
+def pack_hook_below(hook: Any) -> Any:
+    """For one of the scope's entries (``is_scope_pack_hook``): the pack hook it hands every tensor
+    it does not recompute to, the hook it stands in for; None if it stores them itself (the resident
+    entry, or a scope opened on an empty stack). Raises ``TypeError`` for any other hook."""
+    if not isinstance(hook, _PackHook):
+        raise TypeError(f"pack_hook_below: {hook!r} is not one of gradient_checkpoint_scope's pack hooks")
+    return None if hook.below is None else hook.below[0]
+
+
+def inside_scope_hook() -> bool:
+    """Whether one of the scope's hooks runs on this thread now, and with it any replay (a replay
+    runs inside an unpack): the ops seen then are recomputations, not the forward's."""
+    return _thread.in_hook > 0
+
+
+def recomputes_region(pack_hook: Any) -> bool:
+    """Whether ``pack_hook`` is the pack hook of a checkpoint that re-runs its region in backward and
+    matches saved tensors by position (torch's non-reentrant checkpoint, ``ckpt_lab.checkpoint``, any
+    hook marked ``recomputes_region = True``): a scope opened inside its region does nothing. See
+    NOTE [ A scope inside a checkpoint ]."""
+    return _recomputes_region(pack_hook)
+
+
+def leftovers() -> dict[str, Any]:
+    """What scopes still hold: the storages of the scope tensors registered for the pack hook to
+    recognise (any thread), and this thread's resident hooks (an entry on the stack, a live
+    recording, an open scope). Once every scope tensor is freed, both must be gone;
+    ``ckpt_lab.instruments.state`` checks it."""
+    hooks = _thread.hooks
+    held = hooks is not None and bool(hooks.live_recordings or hooks.resident is not None or hooks.open)
+    storages = {(id(entry.recording), entry.storage_slot) for entry in list(_SCOPE_TENSORS.values())}
+    return {"scope_storages_registered": len(storages), "scope_hooks_held": held}
+
+
 class _ThreadState(threading.local):
     # NOTE [ Per-thread state ]
     # ``in_hook`` > 0 while one of our hooks runs on this thread, and with it any replay (a replay
@@ -107,6 +175,8 @@ class _ThreadState(threading.local):
     # pytorch/pytorch#130734). A count, not a flag: our hooks nest (an unpack we hand on to another
     # hook may unpack through us again).
     in_hook = 0
+    # The backward (graph task) in which this thread last replayed: NOTE [ The first replay of a backward ].
+    replayed_in = -1
     # This thread's resident hooks, made on first use (see section 5).
     hooks: _ResidentHooks | None = None
 
@@ -114,124 +184,20 @@ class _ThreadState(threading.local):
 _thread = _ThreadState()
 
 
-# NOTE [ A scope inside a checkpoint ]
-# Some checkpoints re-run their region in backward and match what the re-run saves to what the
-# forward saved, *by position*: torch.utils.checkpoint's non-reentrant checkpoint, ckpt_lab's
-# checkpoint, and any built like them. A scope inside such a region would make the forward save
-# other tensors than the re-run (inside backward a scope does nothing), and the checkpoint would
-# hand out the wrong tensors: silently wrong gradients. So inside their region a scope does
-# nothing; the checkpoint recomputes everything there anyway.
-#
-# Such a checkpoint is recognised by its pack hook, not by the name of the module that defines it
-# (a copied or renamed checkpoint would be missed):
-# * torch's, by the code objects of its two pack hooks (the forward's, defined in
-#   ``_checkpoint_hook.__init__``, and the re-run's, in ``_recomputation_hook.__init__``), read
-#   from torch once, here; the tests check that both are found;
-# * any other, by a protocol: a checkpoint whose backward re-runs its region and matches saved
-#   tensors by position sets ``recomputes_region = True`` on its pack hooks, the forward's and the
-#   re-run's (ckpt_lab's checkpoint does, and a copy of its file keeps it).
-def _pack_hook_codes(*hook_classes: str) -> frozenset[types.CodeType]:
-    """The code objects of the ``pack_hook`` functions defined in these classes' ``__init__``."""
-    codes = set()
-    for name in hook_classes:
-        init = getattr(getattr(torch_checkpoint, name, None), "__init__", None)
-        for const in getattr(getattr(init, "__code__", None), "co_consts", ()):
-            if isinstance(const, types.CodeType) and const.co_name == "pack_hook":
-                codes.add(const)
-    return frozenset(codes)
-
-
-_TORCH_CHECKPOINT_PACK_HOOKS = _pack_hook_codes("_checkpoint_hook", "_recomputation_hook")
-
-
-def _recomputes_region(pack: Any) -> bool:
-    """Whether ``pack`` is the pack hook of a checkpoint that re-runs its region in backward."""
-    # Through decorators (torch wraps its re-run's pack hook in torch._dynamo.disable), a few deep:
-    # a __wrapped__ chain may loop.
-    for _ in range(8):
-        if getattr(pack, "recomputes_region", False) is True:
-            return True
-        if getattr(pack, "__code__", None) in _TORCH_CHECKPOINT_PACK_HOOKS:
-            return True
-        pack = getattr(pack, "__wrapped__", None)
-        if pack is None:
-            return False
-    return False
-
-
-def _inside_a_checkpoint() -> bool:
-    """Whether such a checkpoint's pack hook is on this thread's stack, above our entries (it can't
-    be below them: a scope that closed above it, and so could have wrapped it, was inside its
-    region, where a scope does nothing)."""
-    if not _saved_tensors_hooks_is_enabled():
-        # We could not push back what we pop; and the scope's own push will fail anyway.
-        return False
-    popped = []
-    try:
-        while (top := _top()) is not None and not isinstance(top[0], _PackHook):
-            if _recomputes_region(top[0]):
-                return True
-            # Look below it (typically a save_on_cpu inside a checkpointed function).
-            _pop_saved_tensors_default_hooks()
-            popped.append(top)
-        return False
-    finally:
-        for pack, unpack in reversed(popped):
-            _push_saved_tensors_default_hooks(pack, unpack)
-
-
-# ========================================================================= 2. recording: the tape
-# NOTE [ Speed ]
-# The recording runs once per aten op of the forward, and the replay once per op it re-runs, so
-# both spare Python calls where they can. Each shortcut cites its letter:
-# (a) An op's schema facts are looked up in _aten's cache by id(func), without a call on a hit
-#     (an OpOverload's __hash__ is a Python method, and op_info() a Python call).
-# (b) tuple.__new__(_Op, ...) rather than _Op(...): a NamedTuple's __new__ is a Python function.
-# (c) One tensor returned, the common case, is handled without calling _outputs; and _outputs
-#     flattens by hand, without pytree's generic (and slower) traversal.
-# (d) type(x) is _Slot rather than isinstance(), and _resolve inlined where it runs once per
-#     argument of every replayed op.
-# (e) One shared empty dict (_NO_KWARGS) for ops called without keyword arguments.
-# (f) The per-tensor objects (_SlotRecord, _ScopeTensorRef, _Member, ...) have __slots__; and
-#     _Member is a weakref subclass, the one weak reference a scope tensor costs: the tape's
-#     identity map (by_id) and the process-wide registry (_MEMBERS) share it.
-# (g) The questions asked of every op are C calls (the graph task, inference mode) or attributes
-#     of the cached OpInfo (info.writes, info.random); random ops alone pay for a generator state.
-# (h) Reading a tensor the tape knows costs one dict lookup and a weakref call, nothing more: a
-#     swapped storage (``p.data = ...``) is looked for only before an op writes to it in place.
-# (i) Per scope rather than per op, for a chain of small scoped blocks: a replay enters no autocast
-#     context when autocast is off already, and a leaf saved in the scope (a parameter) is stored
-#     without a detach op (which would run through the recording mode).
-# (j) torch wraps a dispatch mode's __torch_dispatch__ in torch._dynamo.disable (so that Dynamo
-#     never traces it), a Python wrapper that swaps the frame-evaluation callback four times per
-#     call: a tenth of the scope's time on a chain of pointwise ops. Instead the mode's code object
-#     is marked once for Dynamo to skip, with every frame it calls (_skip_dynamo): the same
-#     protection, paid in C.
+# ======================================================================= 2. recording: the tape
 _NO_KWARGS: dict = {}
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
 _inference_mode_enabled = torch.is_inference_mode_enabled
 
 
-# NOTE [ What the tape leaves out ]
-# The tape is the forward's ops, and only those. Run through the mode but not recorded:
-# * ops run by our hooks or a replay: see NOTE [ Per-thread state ];
-# * ops of a backward run inside the scope (``loss.backward()`` in the with block). The autograd
-#   engine runs them with the thread's dispatch modes, ours included. Recorded, they made the
-#   gradients scope tensors, and the tape kept every parameter they read: the parameters kept
-#   their gradients, the gradients the recording (through _MEMBERS), the recording the parameters,
-#   a cycle through a global that nothing freed, and a resident hook for as long as the model
-#   lived. A backward has nothing to recompute for: what it saves (create_graph) is stored;
-# * ops under inference_mode that write nothing in place: what they make are inference tensors,
-#   which autograd can't save. A later recorded op reads them as inputs (kept by reference, see
-#   NOTE [ Inputs are kept, not recomputed ]) rather than a replay recomputing, say, a teacher's
-#   forward. Ops under inference_mode that write in place are recorded: a replay must see the write.
 class _RecordingMode(TorchDispatchMode):
     """Records every aten op run inside the scope (below autograd: what the backend really ran)."""
 
     def __init__(self, recording: _Recording) -> None:
         super().__init__()
         self.recording = recording
+        self.tape = recording.tape
         if not _dynamo_skips:
             _skip_dynamo(_RecordingMode.__torch_dispatch__.__code__)
 
@@ -250,9 +216,9 @@ class _RecordingMode(TorchDispatchMode):
             return func(*args, **kwargs)
         written = self._before_writes(info, args, kwargs) if info.writes else []
         # The state of the generator it is about to draw from. See NOTE [ Random ops ].
-        draw = _Draw.before(args, kwargs) if info.random and self.recording.rng else None
-        out = func(*args, **kwargs)
-        self.recording.record(func, info, args, kwargs, out, written, draw)
+        draw = GeneratorState.before(args, kwargs) if info.random and self.recording.rng else None
+        out = info.call(*args, **kwargs)  # func(...), without its Python frame: NOTE [ Speed ] (k)
+        self.tape.record(func, info, args, kwargs, out, written, draw)
         return out
 
     def _before_writes(self, info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[_Slot, int | None]]:
@@ -269,10 +235,10 @@ class _RecordingMode(TorchDispatchMode):
 
     def _before_write(self, tensor: torch.Tensor) -> _Slot:
         # See NOTE [ Outside tensors written in place ].
-        recording = self.recording
-        slot = recording.encode_written(tensor)
-        root = recording.slots[recording.slots[slot].root]
-        source = root.source
+        tape = self.tape
+        slot = _encode_written(tape, tensor)
+        memory = tape.slots[tape.slots[slot].storage_slot]
+        source = memory.source
         if type(source) is _Borrowed:
             if _version_of(source.tensor) != source.version:
                 # Limitation: the copy would hold values the scope's earlier reads did not see.
@@ -280,83 +246,41 @@ class _RecordingMode(TorchDispatchMode):
                     "gradient_checkpoint_scope: a tensor from outside the scope changed between the "
                     "scope reading it and writing to it, by an op the scope did not see."
                 )
-            root.source = _Snapshot(source.tensor)
+            memory.source = _Snapshot(source.tensor)
         return slot
 
 
-_dynamo_skips: list[Any] = []
+class _Tape:
+    """A scope's tape: its ops, one ``_SlotRecord`` per tensor they touched, and the generators they
+    drew from; while recording, which tensor object and which memory is in which slot."""
 
-
-def _skip_dynamo(code: types.CodeType) -> None:
-    """Tell Dynamo to skip ``code``'s frames and every frame they call (what torch._dynamo.disable's
-    wrapper does per call, here marked once on the code object). See NOTE [ Speed ] (j)."""
-    _dynamo_skips.append(code)
-    try:
-        # Imported on first use, as the wrapper would (importing Dynamo takes a while).
-        from torch._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except (ImportError, AttributeError):
-        return  # a torch without Dynamo: nothing would trace the mode anyway
-    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
-
-
-class _Recording:
-    """One scope's tape (its ops, one ``_SlotRecord`` per tensor they touched, the generators they
-    drew from), and its lifetime: open or not, and which of its scope tensors are still alive."""
-
-    def __init__(self, hooks: _ResidentHooks, preserve_rng_state: bool) -> None:
-        self.hooks = hooks
+    def __init__(self, register: Any) -> None:
         self.ops: list[_Op] = []
         self.slots: list[_SlotRecord] = []
         # While recording: id(tensor) -> (weakref, slot), and for an input the id of its storage.
         # Weak, or the scope would keep its tensors.
         self.by_id: dict[int, tuple] = {}
-        # While recording: id(storage) -> (weakref, root slot) for the memory the scope made, to tell
+        # While recording: id(storage) -> (weakref, storage slot) for the memory the scope made, to tell
         # an undeclared alias (or a .data) of it from an input. Checked by the weakref: ids get reused.
         self.storages: dict[int, tuple[weakref.ref, _Slot]] = {}
-        # Keys of our entries in _MEMBERS, the scope tensors alive. A set: add and discard are atomic,
-        # and tensors die on any thread.
-        self.members: set[int] = set()
-        self.open = True
         # See NOTE [ Random ops ]: the first draw from each generator (key: the generator or device).
-        self.rng = preserve_rng_state
-        self.drawn: dict[Any, _Draw] = {}
-        # Captured once, before the scope's first op. See NOTE [ RNG and autocast in a replay ].
-        state, self.uninitialised = _capture_replay_state(preserve_rng_state)
-        # The replayer shares our lists but holds no reference back to us: we reference it, and a
-        # cycle would free the tape (and the inputs it keeps) only when the garbage collector runs.
-        self.replayer = _Replayer(self.ops, self.slots, self.drawn, state)
+        self.drawn: dict[Any, GeneratorState] = {}
+        # The recording's ``register`` (a scope tensor is registered as it is made); None once the
+        # scope closed: it would keep the recording in a cycle.
+        self.register = register
 
     def encode(self, value: Any) -> Any:
         """An argument as the tape keeps it: each tensor becomes its slot."""
         if isinstance(value, torch.Tensor):
             entry = self.by_id.get(id(value))
             # The weakref tells the tensor apart from a new one that got the id of a dead one.
-            return entry[1] if entry is not None and entry[0]() is value else self._add_input(value)
+            return entry[1] if entry is not None and entry[0]() is value else self.add_input(value)
         if type(value) in (list, tuple) and any(isinstance(v, torch.Tensor) for v in value):
             return _Nested([self.encode(v) for v in value])
         return value
 
-    def encode_written(self, tensor: torch.Tensor) -> _Slot:
-        """``encode`` for a tensor an op is about to write to. An input also names its storage here:
-        ``p.data = ...`` swaps it (a LazyLinear's first forward, between reading the placeholder and
-        initialising the new memory in place), and from then on p is another input. Checked before
-        writes only, where it matters for parameters made in the scope (see NOTE [ Speed ] (h))."""
-        entry = self.by_id.get(id(tensor))
-        # By the storage's id: a new storage that got a dead one's id goes unseen, and the write then
-        # goes to a copy (see NOTE [ Outside tensors written in place ]), right unless an op the
-        # replay runs read the old values.
-        if (
-            entry is not None
-            and len(entry) == 3
-            and entry[0]() is tensor
-            and entry[2] != id(storage_of(tensor))
-        ):
-            return self._add_input(tensor)
-        return self.encode(tensor)
-
-    def _add_input(self, tensor: torch.Tensor) -> _Slot:
-        """A slot for a tensor the scope did not make. See NOTE [ Inputs are kept, not recomputed ]."""
+    def add_input(self, tensor: torch.Tensor) -> _Slot:
+        """A slot for a tensor the scope did not make (kept by reference: _Borrowed)."""
         storage = storage_of(tensor)
         entry = self.storages.get(id(storage))
         slot = _Slot(len(self.slots))
@@ -369,145 +293,163 @@ class _Recording:
         self.by_id[id(tensor)] = (weakref.ref(tensor), slot, id(storage))
         return slot
 
-    def _add_slot(
-        self,
-        tensor: torch.Tensor,
-        source: Any,
-        root: _Slot | None,
-        made: bool,
-        counter: _Slot | None = None,
-        version: int | None = None,
-    ) -> _Slot:
-        slot = _Slot(len(self.slots))
-        root, counter = slot if root is None else root, slot if counter is None else counter
-        self.slots.append(_SlotRecord(source, root, version, None, made, counter))
-        if made:
-            # A scope tensor: registered, so that the pack hook knows it.
-            self.by_id[id(tensor)] = (self._register(tensor, root, counter), slot)
-        else:
-            self.by_id[id(tensor)] = (weakref.ref(tensor), slot)
-        return slot
-
-    def _register(self, tensor: torch.Tensor, root: _Slot, counter: _Slot) -> _Member:
-        # See NOTE [ What "born in the scope" means ] and NOTE [ Speed ] (f).
-        member = _Member(tensor, _member_died)
-        member.key, member.recording, member.root, member.counter = id(tensor), self, root, counter
-        _MEMBERS[member.key] = member
-        self.members.add(member.key)
-        return member
-
     def record(
-        self,
-        func: Any,
-        info: OpInfo,
-        args: tuple,
-        kwargs: dict,
-        out: Any,
-        written: list[tuple[_Slot, int | None]],
-        draw: _Draw | None,
+        self, func: Any, info: OpInfo, args: tuple, kwargs: dict, out: Any, written: list, draw: Any
     ) -> None:
-        """After an op ran: append it, and give every new tensor it returned a slot."""
+        """After an op ran: append it, and give every new tensor it returned a slot. ``written``: (slot,
+        version after the op) of each tensor it wrote to in place; ``draw``: see NOTE [ Random ops ]."""
         grad = _grad_enabled()
         # See NOTE [ Speed ] (c).
         outputs = ((out, info.fresh[0]),) if type(out) is torch.Tensor else _outputs(out, info.fresh)
         if not outputs and not written:
             # .item(), .equal() and the like: nothing a later op could read, nothing to replay.
             return
-        args = tuple([self.encode(a) for a in args])
-        kwargs = {k: self.encode(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS
+        by_id, encoded, reads = self.by_id, [], []
+        for a in args:
+            # ``encode``, inlined for a tensor the tape knows: NOTE [ Speed ] (c).
+            entry = by_id.get(id(a)) if isinstance(a, torch.Tensor) else None
+            a = entry[1] if entry is not None and entry[0]() is a else self.encode(a)
+            encoded.append(a)
+            if type(a) is _Slot:
+                reads.append(a)
+            elif type(a) is _Nested:
+                reads.extend(v for v in a if type(v) is _Slot)
+        args = tuple(encoded)
+        if kwargs:
+            kwargs = {k: self.encode(v) for k, v in kwargs.items()}
+            reads.extend(_slot_args(kwargs.values()))
+        else:
+            kwargs = _NO_KWARGS
         slots, metas = [], []
         for tensor, fresh in outputs:
-            meta = _meta(tensor)
-            entry = self.by_id.get(id(tensor))
-            # In-place and out= ops return an argument: it keeps its slot.
-            known = entry is not None and entry[0]() is tensor
-            slots.append(entry[1] if known else self._add_output(tensor, fresh, args, meta, grad))
+            try:  # _meta, inlined: NOTE [ Speed ] (c)
+                meta = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device)
+            except (RuntimeError, NotImplementedError):
+                meta = _meta(tensor)
+            entry = by_id.get(id(tensor))
             metas.append(meta)
+            if entry is not None and entry[0]() is tensor:
+                slots.append(entry[1])  # in-place and out= ops return an argument: it keeps its slot
+                continue
+            # New memory, says the schema: is it (an undeclared alias of memory the tape knows)?
+            storage = storage_of(tensor) if fresh else None
+            known = None if storage is None else self.storages.get(id(storage))
+            if storage is None or (known is not None and known[0]() is storage):
+                slots.append(_alias_slot(self, tensor, known if storage is not None else None, args))
+                continue
+            # New memory, what the scope exists for: a scope tensor, unless made with grad mode off.
+            # See NOTE [ What "born in the scope" means ].
+            slot = _Slot(len(self.slots))
+            self.slots.append(_SlotRecord(None, slot, tensor._version, meta, grad, slot))
+            self.storages[id(storage)] = (weakref.ref(storage), slot)
+            by_id[id(tensor)] = (self.register(tensor, slot, slot) if grad else weakref.ref(tensor), slot)
+            slots.append(slot)
         writes = ()
         if written:
             writes = tuple(slot for slot, _ in written)
             for slot, version in written:
-                # The version after the op of the counter it shares (see _SlotRecord.counter).
-                counter = self.slots[self.slots[slot].counter]
+                # The version after the op of the counter it shares (see _SlotRecord.version_slot).
+                counter = self.slots[self.slots[slot].version_slot]
                 if counter.version is not None and version is not None:
                     counter.version = version
         if draw is not None:
             self.drawn.setdefault(draw.key(), draw)
         # See NOTE [ Speed ] (b).
-        op = (func, args, kwargs, tuple(slots), tuple(metas), writes, draw, grad)
+        op = (func, args, kwargs, tuple(slots), tuple(metas), writes, draw, grad, info.call, tuple(reads))
         self.ops.append(tuple.__new__(_Op, op))
 
-    def _add_output(self, tensor: torch.Tensor, fresh: bool, args: tuple, meta: tuple, grad: bool) -> _Slot:
-        storage = storage_of(tensor) if fresh else None
-        if storage is not None:
-            entry = self.storages.get(id(storage))
-            if entry is None or entry[0]() is not storage:
-                # New memory, what the scope exists for: a scope tensor, unless made with grad mode off.
-                # See NOTE [ What "born in the scope" means ].
-                made = grad
-                slot = _Slot(len(self.slots))
-                self.slots.append(_SlotRecord(None, slot, tensor._version, meta, made, slot))
-                self.storages[id(storage)] = (weakref.ref(storage), slot)
-                ref = self._register(tensor, slot, slot) if made else weakref.ref(tensor)
-                self.by_id[id(tensor)] = (ref, slot)
-                return slot
-            # An alias the schema does not declare (_unsafe_view, unsafe_split's chunks in GRU and LSTM
-            # cells) of memory the scope made: autograd gives it no base to be recognised by, so it is
-            # registered itself if that memory is; and a version counter of its own.
-            root = entry[1]
-            return self._add_slot(tensor, None, root, self.slots[root].made, None, tensor._version)
+
+def _alias_slot(tape: _Tape, tensor: torch.Tensor, known: tuple | None, args: tuple) -> _Slot:
+    """A slot for an output on memory the tape knows (``known``: its storage's entry, None for a view)."""
+    slots = tape.slots
+    slot = _Slot(len(slots))
+    if known is not None:
+        # An alias the schema does not declare (_unsafe_view, unsafe_split's chunks in GRU and LSTM
+        # cells) of memory the scope made: autograd gives it no base to be recognised by, so it is
+        # registered itself if that memory is; and a version counter of its own.
+        storage_slot, version_slot, version = known[1], slot, tensor._version
+        made = slots[storage_slot].is_scope_tensor
+    else:
         # A view: it lives in the storage of the op's first tensor argument, and shares its version
         # counter. Not registered: the pack hook finds a view of a scope tensor by its _base, and a
         # detach() has none.
         base = next((a for a in args if type(a) is _Slot), None)
-        if base is None:
-            return self._add_slot(tensor, None, None, False)
-        return self._add_slot(tensor, None, self.slots[base].root, False, self.slots[base].counter)
+        storage_slot = slot if base is None else slots[base].storage_slot
+        version_slot = slot if base is None else slots[base].version_slot
+        version, made = None, False
+    slots.append(_SlotRecord(None, storage_slot, version, None, made, version_slot))
+    # A scope tensor is registered, so that the pack hook knows it (NOTE [ Speed ] (f)).
+    ref = tape.register(tensor, storage_slot, version_slot) if made else weakref.ref(tensor)
+    tape.by_id[id(tensor)] = (ref, slot)
+    return slot
+
+
+class _Recording:
+    """One scope's lifetime: its tape and replayer, open or not, and which of its scope tensors are
+    still alive (while any is, our resident hook stays: section 5)."""
+
+    def __init__(self, hooks: _ResidentHooks, preserve_rng_state: bool) -> None:
+        self.hooks = hooks
+        self.tape = _Tape(self.register)
+        # Keys of our entries in _SCOPE_TENSORS, the scope tensors alive. A set: add and discard are
+        # atomic, and tensors die on any thread.
+        self.scope_tensors: set[int] = set()
+        self.open = True
+        # See NOTE [ Random ops ].
+        self.rng = preserve_rng_state
+        # Captured once, before the scope's first op. See NOTE [ RNG and autocast in a replay ].
+        state, self.uninitialised = capture_every_device(preserve_rng_state)
+        # The replayer shares the tape but holds no reference back to us: we reference it, and a
+        # cycle would free the tape (and the inputs it keeps) only when the garbage collector runs.
+        self.replayer = _Replayer(self.tape.ops, self.tape.slots, self.tape.drawn, state)
+
+    def register(self, tensor: torch.Tensor, storage_slot: _Slot, version_slot: _Slot) -> _ScopeTensor:
+        """A scope tensor: registered, so that the pack hook knows it. See NOTE [ What "born in the
+        scope" means ] and NOTE [ Speed ] (f)."""
+        entry = _ScopeTensor(tensor, _scope_tensor_died)
+        entry.key, entry.recording = id(tensor), self
+        entry.storage_slot, entry.version_slot = storage_slot, version_slot
+        _SCOPE_TENSORS[entry.key] = entry
+        self.scope_tensors.add(entry.key)
+        return entry
 
     def close(self, failed: bool) -> None:
         """The scope's ``with`` block ended (``failed``: by an exception)."""
         self.open = False
+        tape = self.tape
         # Identities are only needed while ops are still being recorded.
-        self.by_id = {}
-        storages, self.storages = self.storages, {}
+        tape.by_id, tape.register = {}, None
+        storages, tape.storages = tape.storages, {}
         replayer = self.replayer
-        replayer.state = _with_accelerator_initialised_inside(replayer.state, self.uninitialised)
+        replayer.state = with_initialised_inside(replayer.state, self.uninitialised)
         replayer.closed = True
         # Safety net for schemas that lie: an output we took for new memory but that shares an outside
         # tensor's storage is stored, not recomputed (that tensor may change it, unseen).
-        borrowed = {id(storage_of(s.source.tensor)) for s in self.slots if type(s.source) is _Borrowed}
+        inputs = [s.source.tensor for s in tape.slots if type(s.source) is _Borrowed]
+        borrowed = {id(storage_of(tensor)) for tensor in inputs}
+        replayer.chained = any(_scope_ref(tensor, register=False) is not None for tensor in inputs)
         lying = {storages[key][1] for key in borrowed if key in storages and storages[key][0]() is not None}
-        for key in list(self.members):
-            member = _MEMBERS.get(key)
-            tensor = None if member is None else member()
+        for key in list(self.scope_tensors):
+            entry = _SCOPE_TENSORS.get(key)
+            tensor = None if entry is None else entry()
             if tensor is None:
                 continue
             # After an exception no new references: scope tensors still alive are stored normally.
             # A leaf that requires grad (made in the scope) is the user's state: see the NOTE.
-            if failed or member.root in lying or (tensor.requires_grad and tensor.is_leaf):
-                if _MEMBERS.get(key) is member:
-                    del _MEMBERS[key]
-                self.members.discard(key)
-        if not self.members:
+            if failed or entry.storage_slot in lying or (tensor.requires_grad and tensor.is_leaf):
+                if _SCOPE_TENSORS.get(key) is entry:
+                    del _SCOPE_TENSORS[key]
+                self.scope_tensors.discard(key)
+        if not self.scope_tensors:
             self.hooks.live_recordings.discard(self)
 
-    def member_released(self, key: int) -> None:
+    def scope_tensor_died(self, key: int) -> None:
         """A scope tensor of this recording died (on any thread)."""
-        self.members.discard(key)
-        if not self.members and not self.open:
+        self.scope_tensors.discard(key)
+        if not self.scope_tensors and not self.open:
             self.hooks.forget(self)
 
 
-def _version_of(tensor: torch.Tensor) -> int | None:
-    """A tensor's version counter; None for an inference tensor, which has none (and can be written
-    in place only under inference_mode: no write to it before backward can be seen, as with .data)."""
-    try:
-        return tensor._version
-    except RuntimeError:
-        return None
-
-
-# What the tape holds.
 class _Slot(int):
     """A slot number of a recording. In a recorded op's arguments it stands for the slot's tensor (an
     int of its own type, so that it can't be mistaken for an int argument; tested with
@@ -522,19 +464,25 @@ class _Slot(int):
 class _SlotRecord:
     """What the tape knows of the tensor in one slot."""
 
-    __slots__ = ("counter", "made", "meta", "root", "source", "version")
+    __slots__ = ("is_scope_tensor", "meta", "source", "storage_slot", "version", "version_slot")
 
     def __init__(
-        self, source: Any, root: _Slot, version: int | None, meta: tuple | None, made: bool, counter: _Slot
+        self,
+        source: Any,
+        storage_slot: _Slot,
+        version: int | None,
+        meta: tuple | None,
+        is_scope_tensor: bool,
+        version_slot: _Slot,
     ) -> None:
         # None for a tensor an op made, else how a replay gets it: _Borrowed, or _Snapshot once the
         # scope wrote to it, or _Alias for another tensor object on memory the scope made.
         self.source = source
         # The slot whose storage it lives in: itself for new memory and for inputs.
-        self.root = root
-        # The slot whose version counter it shares: its base's for a view, else itself. Not the root's
-        # for an undeclared alias (unsafe_split's chunks count their own writes), nor for an _Alias.
-        self.counter = counter
+        self.storage_slot = storage_slot
+        # The slot whose version counter it shares: its base's for a view, else itself. Not the storage
+        # slot for an undeclared alias (unsafe_split's chunks count their own writes), nor for an _Alias.
+        self.version_slot = version_slot
         # For a slot with a counter of its own made in the scope (else None): its version after the
         # last recorded op.
         self.version = version
@@ -543,7 +491,7 @@ class _SlotRecord:
         self.meta = meta
         # A registered scope tensor (new memory made with grad on, or an undeclared alias of it): see
         # NOTE [ What "born in the scope" means ].
-        self.made = made
+        self.is_scope_tensor = is_scope_tensor
 
 
 class _Op(NamedTuple):
@@ -553,8 +501,10 @@ class _Op(NamedTuple):
     outputs: tuple[_Slot, ...]  # the slot of each tensor it returned
     metas: tuple[tuple, ...]  # and that tensor's metadata, for the replay's check
     writes: tuple[_Slot, ...]  # slots it writes in place
-    draw: _Draw | None  # a random op: its generator's state before it drew (NOTE [ Random ops ])
+    draw: GeneratorState | None  # a random op: its generator's state before it drew (NOTE [ Random ops ])
     grad: bool  # grad mode when it ran (some kernels ask: an RNN's returns a workspace only with it)
+    call: Any  # func's C++ entry point (OpInfo.call): NOTE [ Speed ] (k)
+    reads: tuple[_Slot, ...]  # the slots among its arguments, nested lists included (for _plan_replay)
 
 
 class _Nested(tuple):
@@ -564,120 +514,6 @@ class _Nested(tuple):
 
     def resolve(self, values: list[Any]) -> list[Any]:
         return [values[a] if type(a) is _Slot else a for a in self]
-
-
-# NOTE [ Inputs are kept, not recomputed ]
-# Tensors from outside the scope that a replay reads (inputs, parameters) are kept by strong
-# reference until every reference autograd holds and every scope tensor is gone: an input nothing
-# else keeps (``a`` in ``a + b``, which add does not save) lives until backward. That includes
-# tensors made by an earlier scope and read by a later one, until the later scope's first replay.
-# A _ScopeTensorRef from the start would make the later replay start with the earlier scope's,
-# which would hold all of *its* recomputed tensors while backward goes through the later one, and
-# so on down a chain of scoped layers: peak memory as without any checkpointing. Kept, they are the
-# layer boundaries a checkpoint stores too.
-# Once the later scope has replayed (its with block closed), such an input is needed only by a
-# second backward (retain_graph), so it is let go (_Recomputed): the earlier scope recomputes it
-# anyway, for the references autograd holds to it. Kept, it was alive beside the loss's (or the
-# next block's) backward temporaries at the later replay: one block boundary more at the peak of a
-# scoped MLP or transformer stack (RETURNN's scope drops it too: it replays only once). For a second
-# backward, the earlier scope's next replay offers its copy back (_Recomputed.offer), kept if a
-# reference of the later scope is still alive then (the graph is retained); otherwise a second
-# replay of the later scope asks the earlier one for it, and the replays would cascade down a chain.
-class _Borrowed:
-    """A tensor from outside the scope that the replay reads: kept by reference, checked by version."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.version = _version_of(tensor)
-
-    def materialize(self) -> torch.Tensor:
-        if _version_of(self.tensor) != self.version:
-            # Limitation (1) of NOTE [ What a replay refuses ].
-            raise CheckpointError(
-                "gradient_checkpoint_scope: a tensor from outside the scope, read inside it, was modified "
-                f"in place before backward recomputed the scope (version {self.tensor._version}, read at "
-                f"version {self.version}; shape {list(self.tensor.shape)}). The recomputation would read "
-                "the new values and give wrong gradients. Modify it out of place, or after backward."
-            )
-        return self.tensor
-
-
-class _Recomputed:
-    """An earlier scope's tensor that a replay read as an input (a _Borrowed until then), let go
-    after that replay: see NOTE [ Inputs are kept, not recomputed ]."""
-
-    __slots__ = ("__weakref__", "kept", "reader", "ref", "wanted")
-
-    def __init__(self, ref: _ScopeTensorRef, reader: _Replayer) -> None:
-        self.ref = ref  # into the earlier scope; not wanted by its replays until needed here
-        self.reader = weakref.ref(reader)  # the replayer of the scope that reads it
-        self.kept: torch.Tensor | None = None
-        self.wanted = False
-        # The earlier scope offers us what its next replay recomputes (``offer``).
-        with ref.replayer.lock:
-            ref.replayer.offers.append(weakref.ref(self))
-
-    def offer(self, values: dict[int, torch.Tensor]) -> bool:
-        """The earlier scope replayed, with ``values`` by root: keep ours if the reading scope may
-        replay again (a reference of its is alive after this backward served it: retain_graph).
-        Returns whether the offer is still open."""
-        reader = self.reader()
-        if reader is None or self.kept is not None:
-            return False
-        value = values.get(self.ref.root)
-        if value is None or not any(r() is not None for r in reader.refs):
-            return True
-        geometry = self.ref.geometry
-        self.kept = value if geometry is None else _restrided(value, geometry)
-        return False
-
-    def materialize(self) -> torch.Tensor:
-        if self.kept is not None:
-            return self.kept
-        ref = self.ref
-        if not self.wanted:
-            # Wanted from now on: that scope's replays keep it until served here.
-            self.wanted = True
-            replayer = ref.replayer
-            with replayer.lock:
-                replayer.refs.append(weakref.ref(ref))
-                if ref.root in replayer.values:
-                    replayer.pending[ref.root] += 1
-        return ref.unpack()
-
-
-class _Alias:
-    """Another tensor object on memory the scope made (a ``.data``, a Parameter wrapped around it):
-    a replay makes it as a view of the recomputed memory, with its geometry."""
-
-    __slots__ = ("geometry",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
-
-
-# NOTE [ Outside tensors written in place ]
-# An outside tensor written in place inside the scope (BatchNorm's running statistics, buf.add_(1))
-# must be updated exactly once, by the forward. So it is copied once, just before the first write
-# (_Snapshot), and each replay writes into a fresh copy of that copy; a large buffer costs its size.
-# Views of it made earlier are replayed as views of the copy, so they see the write too. A tensor
-# that shares memory the scope made (.data, a Parameter initialised in place) is no outside tensor:
-# its writes are replayed into the recomputed memory (_Alias). Refused with CheckpointError: an
-# outside tensor that changed, by an op the scope did not see, between the scope reading it and
-# writing to it.
-class _Snapshot:
-    """An input the scope writes to in place, copied just before the first write: each replay writes
-    into a copy of this copy, and the input itself is updated exactly once, by the forward."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor.clone()
-
-    def materialize(self) -> torch.Tensor:
-        return self.tensor.clone()
 
 
 def _outputs(out: Any, fresh: tuple[bool, ...]) -> list[tuple[torch.Tensor, bool]]:
@@ -710,104 +546,49 @@ def _meta(tensor: torch.Tensor) -> tuple:
         return (tensor.shape, None, None, tensor.dtype, tensor.device)
 
 
-# NOTE [ Random ops ]
-# A replay must draw exactly the numbers the forward drew. The generators' state at the scope's
-# entry (NOTE [ RNG and autocast in a replay ]) is not enough: code in the scope may reseed between
-# two random ops (torch.manual_seed, torch.set_rng_state, fork_rng with a seed, a Generator's
-# manual_seed), and none of that is an aten op the tape could see; a replay from the entry state
-# then drew other numbers, silently. So each op that draws random numbers (OpInfo.random: aten's
-# ``nondeterministic_seeded`` tag, bernoulli_, native_dropout, randn, ...; and any custom op, which
-# can't be known not to) records the state of the generator it draws from just before it draws
-# (_Draw), and the replay sets that state right before re-running it. Its generator: its
-# ``generator`` argument if one is passed, else the default generator of its device (a factory's
-# ``device`` argument, else its first tensor's). Cost: a get_state per random op of the forward
-# (about 1 µs; the CPU's Mersenne Twister state is 5 KB, a CUDA generator's 16 bytes), a set_state
-# per random op replayed; the other ops test one attribute. Each generator drawn from is put back
-# after a replay (_forked): the caller's streams go on.
-# Limit: a custom op that draws from another generator than its device's default one (a Generator
-# held in Python, another device's) draws in a replay from wherever the ops replayed before left it:
-# right only if the scope does not reseed it and the replay skips no op that drew from it.
-class _Draw:
-    """A random op's generator (an explicit one, or a device's default) and its state just before
-    the op drew from it."""
-
-    __slots__ = ("device", "generator", "state")
-
-    def __init__(
-        self, generator: torch.Generator | None, device: torch.device | None, state: torch.Tensor
-    ) -> None:
-        self.generator = generator  # None: the default generator of ``device`` (not the CPU's)
-        self.device = device
-        self.state = state
-
-    @staticmethod
-    def before(args: tuple, kwargs: dict) -> _Draw | None:
-        generator = kwargs.get("generator")
-        device = kwargs.get("device")
-        # One pass: the first tensor names the device; a few schemas take the generator positionally
-        # (rrelu_with_noise, _fused_dropout).
-        for arg in args:
-            if isinstance(arg, torch.Tensor):
-                if device is None:
-                    device = arg.device
-            elif isinstance(arg, torch.Generator):
-                generator = arg
-        if generator is not None:
-            return _Draw(generator, None, generator.get_state())
-        if device is None:
-            # out= factories (randn.out): the out tensor's device.
-            device = next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), _CPU)
-        elif type(device) is not torch.device:
-            device = torch.device(device)
-        if device.type == "cpu":
-            return _Draw(_CPU_GENERATOR, None, _CPU_GENERATOR.get_state())
-        if device.type == "meta":
-            return None  # draws nothing
-        module = torch.get_device_module(device.type)
-        if device.index is None:
-            # The current device now, which backward's may not be.
-            device = torch.device(device.type, module.current_device())
-        return _Draw(None, device, module.get_rng_state(device))
-
-    def key(self) -> Any:
-        return self.device if self.generator is None else self.generator
-
-    def now(self) -> _Draw:
-        """The same generator's state now."""
-        if self.generator is not None:
-            return _Draw(self.generator, None, self.generator.get_state())
-        return _Draw(None, self.device, torch.get_device_module(self.device.type).get_rng_state(self.device))
-
-    def restore(self) -> None:
-        if self.generator is not None:
-            self.generator.set_state(self.state)
-        else:
-            torch.get_device_module(self.device.type).set_rng_state(self.state, self.device)
-
-
-_CPU = torch.device("cpu")
-_CPU_GENERATOR = torch.default_generator
-_NOTHING = contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _forked(draws: Any) -> Iterator[None]:
-    """Every generator of ``draws`` put back afterwards as it is now."""
-    now = [draw.now() for draw in draws]
+def _version_of(tensor: torch.Tensor) -> int | None:
+    """A tensor's version counter; None for an inference tensor, which has none (and can be written
+    in place only under inference_mode: no write to it before backward can be seen, as with .data)."""
     try:
-        yield
-    finally:
-        for draw in now:
-            draw.restore()
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
+# What the tape holds.
+
+
+# Tensors from outside the scope that a replay reads (inputs, parameters) are kept by reference,
+# until the scope replayed (NOTE [ Inputs are kept, not recomputed ], in the hardening).
+class _Borrowed:
+    """A tensor from outside the scope that the replay reads: kept by reference, checked by version."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.version = _version_of(tensor)
+
+    def materialize(self) -> torch.Tensor:
+        if _version_of(self.tensor) != self.version:
+            # Limitation (1) of NOTE [ What a replay refuses ].
+            raise CheckpointError(
+                "gradient_checkpoint_scope: a tensor from outside the scope, read inside it, was modified "
+                f"in place before backward recomputed the scope (version {self.tensor._version}, read at "
+                f"version {self.version}; shape {list(self.tensor.shape)}). The recomputation would read "
+                "the new values and give wrong gradients. Modify it out of place, or after backward."
+            )
+        return self.tensor
 
 
 # ==================================================================== 3. packing: scope tensors
 # NOTE [ What "born in the scope" means ]
 # A pack hook is handed a tensor, not told where it came from. A *scope tensor* is a tensor object
 # that a recorded op returned as new memory (or an undeclared alias of such a tensor:
-# _SlotRecord.made), or a view autograd made of one, in the scope or after it: its ``_base`` is one
-# (a 3-d Linear after the scope saves a view of its input). _MEMBERS maps id(tensor) to its
-# _Member, a weak reference naming the recording and the slot whose storage it lives in.
+# _SlotRecord.is_scope_tensor), or a view autograd made of one, in the scope or after it: its
+# ``_base`` is one (a 3-d Linear after the scope saves a view of its input). _SCOPE_TENSORS maps
+# id(tensor) to its _ScopeTensor, a weak reference naming the recording and the slot whose storage
+# it lives in.
 # Process-wide, so a scope tensor saved by any thread is recognised. PyTorch keeps a tensor's
 # Python object exactly as long as the tensor, and the weakref callback removes the entry before
 # the id can be reused.
@@ -833,21 +614,25 @@ def _forked(draws: Any) -> Iterator[None]:
 # Limits: an alias made without autograd after the scope (``.data``, ``as_strided`` on it) is not
 # recognised, so it is stored (memory, never gradients); a write through ``.data`` after the scope
 # is not seen at all: see NOTE [ What a replay refuses ].
-class _Member(weakref.ref):
-    """A weak reference to a scope tensor, naming the recording, the slot whose storage it lives in
-    and the slot whose version counter it shares."""
+class _ScopeTensor(weakref.ref):
+    """A scope tensor, as the registry knows it: a weak reference to it, naming the recording, the
+    slot whose storage it lives in and the slot whose version counter it shares."""
 
-    __slots__ = ("counter", "key", "recording", "root")  # See NOTE [ Speed ] (f).
-
-
-_MEMBERS: dict[int, _Member] = {}
+    __slots__ = ("key", "recording", "storage_slot", "version_slot")  # See NOTE [ Speed ] (f).
 
 
-def _member_died(member: _Member) -> None:
+_SCOPE_TENSORS: dict[int, _ScopeTensor] = {}
+
+
+def _scope_tensor_died(entry: _ScopeTensor) -> None:
     # Identity check: the entry may have been forgotten already (after an exception in the scope).
-    if _MEMBERS.get(member.key) is member:
-        del _MEMBERS[member.key]
-        member.recording.member_released(member.key)
+    if _SCOPE_TENSORS.get(entry.key) is entry:
+        del _SCOPE_TENSORS[entry.key]
+        recording = entry.recording
+        # recording.scope_tensor_died(key), inlined for the common case: NOTE [ Speed ] (l).
+        recording.scope_tensors.discard(entry.key)
+        if not recording.scope_tensors and not recording.open:
+            recording.hooks.forget(recording)
 
 
 class _PackHook:
@@ -862,11 +647,13 @@ class _PackHook:
         self.below = below
 
     def __call__(self, tensor: torch.Tensor) -> Any:
+        # A scope tensor: nothing here runs an op, so this hook need not be marked as running
+        # (see NOTE [ Per-thread state ] and NOTE [ Speed ] (l)).
+        ref = _scope_ref(tensor)
+        if ref is not None:
+            return ref
         _thread.in_hook += 1
         try:
-            ref = _scope_ref(tensor)
-            if ref is not None:
-                return ref
             if self.below is None:
                 return _Stored(tensor)
             pack, unpack = self.below
@@ -880,21 +667,41 @@ def _scope_ref(tensor: torch.Tensor, register: bool = True) -> _ScopeTensorRef |
     recording that made it. ``register=False``: one its replays do not count as wanted (see
     NOTE [ Inputs are kept, not recomputed ])."""
     # See NOTE [ What "born in the scope" means ].
-    owner = _MEMBERS.get(id(tensor))
+    owner = _SCOPE_TENSORS.get(id(tensor))
     if owner is None:
         # A view autograd made of a scope tensor (after the scope, say); id(None) is never a key.
-        owner = _MEMBERS.get(id(tensor._base))
+        owner = _SCOPE_TENSORS.get(id(tensor._base))
     made = owner() if owner is not None else None
     # A leaf that requires grad is the user's state (made in a scope still open).
     if made is None or (made.requires_grad and made.is_leaf):
         return None
-    return owner.recording.replayer.ref_for(tensor, owner.root, owner.counter, register)
+    replayer, storage_slot, version_slot = owner.recording.replayer, owner.storage_slot, owner.version_slot
+    version = tensor._version
+    # Limitation: a replay could not reproduce it. Modified in place by an op we did not record
+    # (after the scope), or a conjugate or negative view (a lazy bit that _restrided would drop).
+    if version != replayer.slots[version_slot].version or tensor.is_conj() or tensor.is_neg():
+        return None
+    geometry = None
+    # The registered tensor itself, on memory of its own, is its slot's tensor (NOTE [ Speed ] (o));
+    # a view or an undeclared alias is remade from its geometry, unless it has its base's.
+    if made is not tensor or storage_slot != version_slot:
+        shape, stride, offset, dtype, _ = replayer.slots[storage_slot].meta
+        geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
+        if geometry == (shape, stride, offset, dtype):
+            geometry = None
+    ref = _ScopeTensorRef(replayer, storage_slot, version_slot, version, geometry)
+    if register:
+        # Not registered: not wanted by a replay until ``serve`` is asked for it.
+        replayer.refs.append(weakref.ref(ref))
+    return ref
 
 
 def _unpack(packed: _ScopeTensorRef | _Stored | _Delegated) -> torch.Tensor:
     """The unpack hook of every entry of ours: each packed value knows how to give its tensor back."""
     _thread.in_hook += 1
     try:
+        if type(packed) is _ScopeTensorRef:  # packed.unpack(), without its frame: NOTE [ Speed ] (l)
+            return packed.replayer.serve(packed)
         return packed.unpack()
     finally:
         _thread.in_hook -= 1
@@ -906,17 +713,29 @@ class _ScopeTensorRef:
     lives in, the slot whose version counter it shares and its version when saved, and its geometry
     if it is a view (None: the slot's tensor)."""
 
-    __slots__ = ("__weakref__", "counter", "geometry", "replayer", "root", "round", "version")
+    __slots__ = (
+        "__weakref__",
+        "consumer",
+        "geometry",
+        "replayer",
+        "round",
+        "storage_slot",
+        "version",
+        "version_slot",
+    )
 
     def __init__(
-        self, replayer: _Replayer, root: int, counter: int, version: int, geometry: tuple | None
+        self, replayer: _Replayer, storage_slot: int, version_slot: int, version: int, geometry: tuple | None
     ) -> None:
         self.replayer = replayer
-        self.root = root
-        self.counter = counter
+        self.storage_slot = storage_slot
+        self.version_slot = version_slot
         self.version = version
         self.geometry = geometry
         self.round = -1  # the last replay that served this reference
+        # Saved after the scope closed, by an op that consumes its tensors (not by the scope's own
+        # ops): see NOTE [ The first replay of a backward ].
+        self.consumer = replayer.closed
 
     def unpack(self) -> torch.Tensor:
         return self.replayer.serve(self)
@@ -965,11 +784,33 @@ class _Delegated:
 # recomputed tensor of every slot that a live _ScopeTensorRef wants. Each is handed out, and
 # dropped as soon as every reference that wanted it has it: backward then holds the only
 # references. A second unpack of the same reference (retain_graph, a second backward) starts a new
-# round: it replays again. A replay runs only the ops a wanted tensor depends on (_Replayer._plan):
+# round: it replays again. (One exception, for a chain of scoped blocks: NOTE [ The first replay of
+# a backward ].) A replay runs only the ops a wanted tensor depends on (_plan_replay):
 # those that made it, wrote into its memory, or made what those read, and so on back. A random op
 # it skips does not shift the others' numbers: each sets its own generator's state, see
 # NOTE [ Random ops ]. And it frees each intermediate as soon as no later op reads it. Each op runs
 # below autograd, as it was recorded, in the grad mode it ran in (a few kernels ask).
+#
+# NOTE [ The first replay of a backward ]
+# Replaying everything at the first unpack has a cost in memory where backward starts. In a chain of
+# scoped blocks (a scope that read an earlier scope's tensor: _Replayer.chained), the first unpack
+# of a backward comes from the last block's consumer (the loss, a head), saving what the block
+# returned; all of the block's other saved tensors are wanted only later, by its own backward. Made
+# at once, they stood beside the consumer's backward temporaries, at the top of the step's memory
+# (every retained tensor is still alive then): one tensor of the last block above torch's
+# checkpoint, which recomputes a block inside the block's own backward (the MLP's 256 KiB, the
+# transformer's LayerNorm statistics; notebook 04 §5). So that first replay serves the references
+# saved after the scope closed (``consumer``: by ops that consume what it returned); the block's own
+# references get a second replay when its backward first unpacks one (_Replayer.split). The first
+# replay keeps the earlier scope's tensor it read, unless it can keep, in its stead and within its
+# bytes, some of the block's own tensors from which the second replay needs no earlier scope's
+# tensor (_kept_for_the_second_replay: on the MLP, the Linear's output, and the second replay runs
+# GELU and the dropout mask only). Cost: the ops of the second replay, at most the last block once
+# more per backward (1/N of a chain's recomputation; on a transformer layer its attention, which
+# reads the block's input). The peak is then torch's or below on every benchmark workload (README).
+# Rejected: doing so for every block (twice the recomputation for no lower peak: later replays stand
+# on memory backward has already freed), or for a scope on its own (what it spares is the same
+# tensors, but the second replay may be its whole tape again).
 #
 # NOTE [ What a replay refuses ]
 # A replay refuses with CheckpointError what would otherwise give silently wrong gradients:
@@ -978,7 +819,7 @@ class _Delegated:
 # (3) recomputed outputs whose number, shape, strides, storage offset, dtype or device differ.
 # Modifications through .data bypass version counters, here as in autograd: (1) and (2) can't see
 # them, (3) catches those that change what a recomputed tensor looks like. A scope tensor a replay
-# could not reproduce is stored instead of recomputed (see _Replayer.ref_for).
+# could not reproduce is stored instead of recomputed (see _scope_ref).
 # Not detectable, so not refused: a scope tensor written through ``.data`` *after the scope* and
 # *before* autograd saves it. ``with scope(): w = a.sin()``,
 # then ``w.data.mul_(3)``, then ``y = w * c``: autograd saves the current w, 3·sin(a), and a replay
@@ -987,24 +828,77 @@ class _Delegated:
 # forward and could not tolerate a nondeterministic kernel's last bits). Without the scope the same
 # write *after* the save would go unseen too; here it is the write before it.
 class _Plan(NamedTuple):
-    """What one replay runs, for one set of wanted roots: see NOTE [ One replay per backward ]."""
+    """What one replay runs, for one set of wanted storage slots: see NOTE [ One replay per backward ]."""
 
-    key: tuple  # (ops recorded, wanted roots) it was computed for
+    key: tuple  # (ops recorded, wanted storage slots) it was computed for
     run: list[int]  # the ops to re-run, in the forward's order
     frees: list[list[int]]  # per op run: the slots that no later op nor any reference needs
     inputs: list[int]  # the input slots it reads (_Borrowed, _Snapshot), made first
     alias_at: dict[int, list[int]]  # per op run: the _Alias slots it is the first to read
 
 
-def _slot_args(op: _Op) -> list[_Slot]:
-    """The slots among an op's arguments, nested lists included."""
+def _slot_args(args: Any) -> list[_Slot]:
+    """The slots among recorded arguments, nested lists included."""
     found = []
-    for arg in (*op.args, *op.kwargs.values()) if op.kwargs else op.args:
+    for arg in args:
         if type(arg) is _Slot:
             found.append(arg)
         elif type(arg) is _Nested:
             found.extend(a for a in arg if type(a) is _Slot)
     return found
+
+
+def _plan_replay(
+    ops: list[_Op], slots: list[_SlotRecord], wanted: Counter[int], key: tuple, held: frozenset = frozenset()
+) -> _Plan:
+    """What a replay for ``wanted`` (storage slots) runs: see NOTE [ One replay per backward ].
+    ``held``: slots whose tensors the replay already has (NOTE [ The first replay of a backward ])."""
+    # Backwards from the end: an op runs if a later one (or a reference) needs a tensor it returns,
+    # or if it writes into memory that is needed (a storage slot: its own, or a view's).
+    needed_slots: set[int] = set()
+    needed_storage = set(wanted) - held
+    run: list[int] = []
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        for o in op.outputs:
+            if o in needed_slots or (o in needed_storage and slots[o].storage_slot == o):
+                break
+        else:
+            for w in op.writes:
+                if slots[w].storage_slot in needed_storage:
+                    break
+            else:
+                continue
+        run.append(i)
+        for slot in op.reads:
+            if slot not in held:
+                needed_slots.add(slot)
+                needed_storage.add(slots[slot].storage_slot)
+    run.reverse()
+    # Over the ops that run: when each input is first read, and when each slot is last needed.
+    last_use: dict[int, int] = {}
+    first_use: dict[int, int] = {}
+    for n, i in enumerate(run):
+        op = ops[i]
+        for slot in op.reads:
+            last_use[slot] = n
+            if slots[slot].source is not None:
+                first_use.setdefault(slot, n)
+        for slot in op.outputs:
+            last_use[slot] = n
+    alias_at: dict[int, list[int]] = {}
+    for slot, n in list(first_use.items()):
+        if type(slots[slot].source) is _Alias:
+            del first_use[slot]
+            alias_at.setdefault(n, []).append(slot)
+            # Made from its storage slot's recomputed memory: that must still be there then.
+            memory = slots[slot].storage_slot
+            last_use[memory] = max(last_use.get(memory, n), n)
+    frees: list[list[int]] = [[] for _ in run]
+    for slot, n in last_use.items():
+        if slot not in wanted:
+            frees[n].append(slot)
+    return _Plan(key, run, frees, list(first_use), alias_at)
 
 
 class _Replayer:
@@ -1023,36 +917,23 @@ class _Replayer:
         # Weak: the graph owns the references. A dead one tells the replay its tensor is not needed.
         self.refs: list[weakref.ref[_ScopeTensorRef]] = []
         self.values: dict[int, torch.Tensor] = {}
-        self.pending: Counter[int] = Counter()
+        self.pending: dict[int, int] = {}
         self.round = 0
         self.cached_plan: _Plan | None = None
         # The scope's with block has ended: no op will be recorded any more (an input's source may change).
         self.closed = False
         # Later scopes that read one of our tensors and let it go (_Recomputed), weakly.
         self.offers: list[weakref.ref[_Recomputed]] = []
-
-    def ref_for(
-        self, tensor: torch.Tensor, root: int, counter: int, register: bool = True
-    ) -> _ScopeTensorRef | None:
-        """What autograd stores for a tensor living in ``root``'s storage and sharing ``counter``'s
-        version counter; None: store it normally. Not ``register``ed: not wanted by a replay until
-        ``serve`` is asked for it."""
-        version = tensor._version
-        # Limitation: a replay could not reproduce it. Modified in place by an op we did not record
-        # (after the scope), or a conjugate or negative view (a lazy bit that _restrided would drop).
-        if version != self.slots[counter].version or tensor.is_conj() or tensor.is_neg():
-            return None
-        geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
-        own = geometry == self.slots[root].meta[:4]
-        ref = _ScopeTensorRef(self, root, counter, version, None if own else geometry)
-        if register:
-            self.refs.append(weakref.ref(ref))
-        return ref
+        # (backward, round) of a first replay that served only the consumers, until the rest is served.
+        self.split: tuple[int, int] | None = None
+        # The scope read a tensor of an earlier scope: a block of a chain (NOTE [ The first replay of
+        # a backward ]). Known when the scope closes.
+        self.chained = False
 
     def serve(self, ref: _ScopeTensorRef) -> torch.Tensor:
         """Unpack: the recomputed tensor for ``ref``, replaying first if this round has none."""
         with self.lock:
-            version = self.slots[ref.counter].version
+            version = self.slots[ref.version_slot].version
             if version != ref.version:
                 # Limitation (2) of NOTE [ What a replay refuses ].
                 raise CheckpointError(
@@ -1061,138 +942,164 @@ class _Replayer:
                     f"{version}). Without the scope autograd would raise too: one of the "
                     "variables needed for gradient computation has been modified by an inplace operation."
                 )
-            value = self.values.get(ref.root) if ref.round != self.round else None
+            value = self.values.get(ref.storage_slot) if ref.round != self.round else None
             if value is None:
-                self._replay()
-                value = self.values[ref.root]
+                self._replay(ref)
+                value = self.values[ref.storage_slot]
             ref.round = self.round
-            self.pending[ref.root] -= 1
-            if self.pending[ref.root] <= 0:
+            self.pending[ref.storage_slot] -= 1
+            if self.pending[ref.storage_slot] <= 0:
                 # Every live reference to this slot has it now: backward holds the only references.
-                self.values.pop(ref.root, None)
-                del self.pending[ref.root]
+                self.values.pop(ref.storage_slot, None)
+                self.pending.pop(ref.storage_slot, None)
         return value if ref.geometry is None else _restrided(value, ref.geometry)
 
-    def _plan(self, wanted: Counter[int]) -> _Plan:
-        """What a replay for ``wanted`` runs (see NOTE [ One replay per backward ]); computed again only
-        if ops were recorded since (the scope is open) or other tensors are wanted."""
-        key = (len(self.ops), frozenset(wanted))
-        if self.cached_plan is not None and self.cached_plan.key == key:
-            return self.cached_plan
-        slots, ops = self.slots, self.ops
-        # Backwards from the end: an op runs if a later one (or a reference) needs a tensor it returns,
-        # or if it writes into memory that is needed (a root: its own, or a view's).
-        needed_slots: set[int] = set()
-        needed_roots = set(wanted)
-        run: list[int] = []
-        for i in range(len(ops) - 1, -1, -1):
-            op = ops[i]
-            for o in op.outputs:
-                if o in needed_slots or (o in needed_roots and slots[o].root == o):
-                    break
-            else:
-                for w in op.writes:
-                    if slots[w].root in needed_roots:
-                        break
-                else:
-                    continue
-            run.append(i)
-            for slot in _slot_args(op):
-                needed_slots.add(slot)
-                needed_roots.add(slots[slot].root)
-        run.reverse()
-        # Over the ops that run: when each input is first read, and when each slot is last needed.
-        last_use: dict[int, int] = {}
-        first_use: dict[int, int] = {}
-        for n, i in enumerate(run):
-            op = ops[i]
-            for slot in _slot_args(op):
-                last_use[slot] = n
-                if slots[slot].source is not None:
-                    first_use.setdefault(slot, n)
-            for slot in op.outputs:
-                last_use[slot] = n
-        alias_at: dict[int, list[int]] = {}
-        for slot, n in list(first_use.items()):
-            if type(slots[slot].source) is _Alias:
-                del first_use[slot]
-                alias_at.setdefault(n, []).append(slot)
-                # Made from its root's recomputed memory: the root must still be there then.
-                root = slots[slot].root
-                last_use[root] = max(last_use.get(root, n), n)
-        frees: list[list[int]] = [[] for _ in run]
-        for slot, n in last_use.items():
-            if slot not in wanted:
-                frees[n].append(slot)
-        self.cached_plan = _Plan(key, run, frees, list(first_use), alias_at)
+    def _plan(self, wanted: Counter[int], held: frozenset = frozenset()) -> _Plan:
+        """What a replay for ``wanted`` runs (``_plan_replay``); computed again only if ops were
+        recorded since (the scope is open) or other tensors are wanted."""
+        key = (len(self.ops), frozenset(wanted), held)
+        if self.cached_plan is None or self.cached_plan.key != key:
+            self.cached_plan = _plan_replay(self.ops, self.slots, wanted, key, held)
         return self.cached_plan
 
-    def _replay(self) -> None:
+    def _replay(self, trigger: _ScopeTensorRef) -> None:
         refs = [r for r in (ref() for ref in self.refs) if r is not None]
         self.refs = [weakref.ref(r) for r in refs]
-        wanted = Counter(r.root for r in refs)
-        plan = self._plan(wanted)
-        ops, slots, alias_at = self.ops, self.slots, plan.alias_at
-        values: list[Any] = [None] * len(slots)
+        let_go, held, task = True, frozenset(), _graph_task_id()
+        if task != -1 and _thread.replayed_in != task:
+            # The first replay of this backward: see NOTE [ The first replay of a backward ].
+            _thread.replayed_in = task
+            if self.chained and trigger.consumer and not all(r.consumer for r in refs):
+                keep, let_go = _kept_for_the_second_replay(self, refs)
+                # The consumers' tensors (for every reference to them) and those kept.
+                served = keep | {r.storage_slot for r in refs if r.consumer}
+                refs = [r for r in refs if r.storage_slot in served]
+                self.split = (task, self.round + 1)
+        elif self.split is not None:
+            if self.split[0] == task:
+                # The rest, after a first replay that served the consumers (and kept ``held``).
+                refs = [r for r in refs if r.round != self.split[1]]
+                held = frozenset(slot for slot in self.values if any(r.storage_slot == slot for r in refs))
+            self.split = None
+        wanted = Counter(r.storage_slot for r in refs)
+        plan = self._plan(wanted, held)
+        values: list[Any] = [None] * len(self.slots)
+        for slot in held:
+            values[slot] = self.values[slot]
         # Below autograd, as the ops were recorded: a replay builds no graph (backward wires the
         # unpacked tensors to the original one), and each op runs in the grad mode it ran in, which
         # a few kernels ask (CPU LSTM's mkldnn_rnn_layer returns its workspace only with grad on).
         # The forward's RNG in a fork, autocast off: see NOTE [ RNG and autocast in a replay ]; each
         # generator a random op drew from, forked too: see NOTE [ Random ops ].
-        grad = torch.is_grad_enabled()
-        with (
-            torch._C._AutoDispatchBelowAutograd(),
-            torch.set_grad_enabled(grad),
-            _replay_state(self.state),
-            _forked(self.drawn.values()) if self.drawn else _NOTHING,
-        ):
-            # Inputs first: if one was modified in place since, fail before running anything.
-            for slot in plan.inputs:
-                source = slots[slot].source
-                values[slot] = value = source.materialize()
-                if type(source) is _Borrowed and self.closed:
-                    # An earlier scope's tensor: from now on, that scope recomputes it. See NOTE
-                    # [ Inputs are kept, not recomputed ].
-                    ref = _scope_ref(value, register=False)
-                    if ref is not None:
-                        slots[slot].source = _Recomputed(ref, self)
-            for n, i in enumerate(plan.run):
-                op = ops[i]
-                if op.grad is not grad:
-                    grad = op.grad
-                    torch._C._set_grad_enabled(grad)
-                if alias_at and n in alias_at:
-                    # A tensor sharing the scope's memory: a view of the recomputed memory.
-                    for slot in alias_at[n]:
-                        values[slot] = _restrided(values[slots[slot].root], slots[slot].source.geometry)
-                self._run(op, values)
-                for slot in plan.frees[n]:
-                    # Not needed by a later op nor by a reference: let it go now.
-                    values[slot] = None
-        self.values = {root: values[root] for root in wanted}
-        self.pending = wanted
+        grad = caller_grad = torch.is_grad_enabled()
+        rng = self.state.rng
+        # The caller's generators: those the scope's random ops drew from, and those of the entry
+        # state (NOTE [ Speed ] (i): put back by hand, not by a context manager per generator).
+        callers = [draw.now() for draw in self.drawn.values()]
+        if rng is not None:
+            callers.append(RNGState.capture(d for d, _ in rng.devices))
+        try:
+            with torch._C._AutoDispatchBelowAutograd(), _autocast_off(self.state):
+                if rng is not None:
+                    rng.restore()
+                _run_plan(self, plan, values, grad, let_go)
+        finally:
+            for state in callers:
+                state.restore()
+            torch._C._set_grad_enabled(caller_grad)
+        self.values = {slot: values[slot] for slot in wanted}
+        self.pending = dict(wanted)
         if self.offers:
             self.offers = [o for o in self.offers if (offer := o()) is not None and offer.offer(self.values)]
         self.round += 1
 
-    def _run(self, op: _Op, values: list[Any]) -> None:
+
+def _kept_for_the_second_replay(replayer: _Replayer, refs: list[_ScopeTensorRef]) -> tuple[set[int], bool]:
+    """For a first replay that serves the consumers (NOTE [ The first replay of a backward ]): which
+    of the block's own tensors it keeps too, and whether it lets go of the earlier scopes' tensors
+    it reads. It keeps some if then the second replay needs none of those tensors, and they weigh no
+    more than those tensors do (the peak stays where it was); else none, and lets go of nothing."""
+    ops, slots = replayer.ops, replayer.slots
+    consumers = Counter(r.storage_slot for r in refs if r.consumer)
+    own = Counter(r.storage_slot for r in refs if not r.consumer and r.storage_slot not in consumers)
+    first = _plan_replay(ops, slots, consumers, ())
+    earlier = {s for s in first.inputs if type(slots[s].source) is _Borrowed}
+    earlier = {s for s in earlier if _scope_ref(slots[s].source.tensor, register=False) is not None}
+    written = {slots[w].storage_slot for op in ops for w in op.writes}
+    made_by = {o: i for i in first.run for o in ops[i].outputs}
+    # Kept as the first replay made them: memory no op writes to, made by an op it runs; the latest
+    # first (it spares the second replay the most).
+    candidates = sorted((s for s in own if s not in written and s in made_by), key=made_by.get, reverse=True)
+    kept: list[int] = []
+    for slot in candidates[:4]:
+        kept.append(slot)
+        second = _plan_replay(ops, slots, own, (), frozenset(kept))
+        if not earlier & set(second.inputs):
+            size = sum(math.prod(slots[s].meta[0]) * slots[s].meta[3].itemsize for s in kept)
+            budget = sum(slots[s].source.tensor.untyped_storage().nbytes() for s in earlier)
+            return (set(kept), True) if size <= budget else (set(), False)
+    return set(), False
+
+
+def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, let_go: bool) -> None:
+    """Run ``plan``'s ops on the replayed ``values`` (by slot), checking what each returns. ``let_go``:
+    an earlier scope's tensor read as an input is let go afterwards (NOTE [ Inputs are kept, not
+    recomputed ]); not after a replay that served only the consumers, which the rest follows."""
+    ops, slots, alias_at = replayer.ops, replayer.slots, plan.alias_at
+    # Inputs first: if one was modified in place since, fail before running anything.
+    for slot in plan.inputs:
+        source = slots[slot].source
+        values[slot] = value = source.materialize()
+        if type(source) is _Borrowed and replayer.closed and let_go:
+            # An earlier scope's tensor: from now on, that scope recomputes it. See NOTE
+            # [ Inputs are kept, not recomputed ].
+            ref = _scope_ref(value, register=False)
+            if ref is not None:
+                slots[slot].source = _Recomputed(ref, replayer)
+    for n, i in enumerate(plan.run):
+        op = ops[i]
+        # The fields at once, not one attribute at a time (NOTE [ Speed ] (m)).
+        _, args, kwargs, outputs, metas, _, draw, op_grad, call, _ = op
+        if op_grad is not grad:
+            grad = op_grad
+            torch._C._set_grad_enabled(grad)
+        if alias_at and n in alias_at:
+            # A tensor sharing the scope's memory: a view of the recomputed memory.
+            for slot in alias_at[n]:
+                values[slot] = _restrided(values[slots[slot].storage_slot], slots[slot].source.geometry)
         # See NOTE [ Speed ] (d): _resolve, inlined for the positional arguments.
         args = [
-            values[a] if type(a) is _Slot else a.resolve(values) if type(a) is _Nested else a for a in op.args
+            values[a] if type(a) is _Slot else a.resolve(values) if type(a) is _Nested else a for a in args
         ]
-        kwargs = {k: _resolve(v, values) for k, v in op.kwargs.items()} if op.kwargs else op.kwargs
-        if op.draw is not None:
+        if draw is not None:
             # Its generator as the forward's op found it. See NOTE [ Random ops ].
-            op.draw.restore()
-        out = op.func(*args, **kwargs)
-        recomputed = (out,) if isinstance(out, torch.Tensor) else [t for t, _ in _outputs(out, ())]
-        # Limitation (3) of NOTE [ What a replay refuses ], for both checks.
-        if len(recomputed) != len(op.outputs):
-            raise _replay_mismatch(op, f"{len(recomputed)} tensors", f"{len(op.outputs)}")
-        for slot, tensor, meta in zip(op.outputs, recomputed, op.metas, strict=True):
-            if _meta(tensor) != meta:
-                raise _replay_mismatch(op, _describe(_meta(tensor)), _describe(meta))
-            values[slot] = tensor
+            draw.restore()
+        # op.func(...), without its Python frame: NOTE [ Speed ] (k).
+        out = call(*args, **{k: _resolve(v, values) for k, v in kwargs.items()}) if kwargs else call(*args)
+        if type(out) is torch.Tensor and len(outputs) == 1:
+            _check_replayed(op, out, metas[0])
+            values[outputs[0]] = out
+        else:
+            recomputed = [t for t, _ in _outputs(out, ())]
+            if len(recomputed) != len(outputs):
+                # Limitation (3) of NOTE [ What a replay refuses ], as _check_replayed.
+                raise _replay_mismatch(op, f"{len(recomputed)} tensors", f"{len(outputs)}")
+            for slot, tensor, meta in zip(outputs, recomputed, metas, strict=True):
+                _check_replayed(op, tensor, meta)
+                values[slot] = tensor
+        for slot in plan.frees[n]:
+            # Not needed by a later op nor by a reference: let it go now.
+            values[slot] = None
+
+
+def _check_replayed(op: _Op, tensor: torch.Tensor, meta: tuple) -> None:
+    """Limitation (3) of NOTE [ What a replay refuses ]: the replayed tensor looks like the forward's."""
+    try:  # _meta, inlined: NOTE [ Speed ] (c)
+        same = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device) == meta
+    except (RuntimeError, NotImplementedError):
+        same = _meta(tensor) == meta
+    if not same:
+        raise _replay_mismatch(op, _describe(_meta(tensor)), _describe(meta))
 
 
 def _resolve(arg: Any, values: list[Any]) -> Any:
@@ -1220,79 +1127,6 @@ def _replay_mismatch(op: _Op, got: str, recorded: str) -> CheckpointError:
         "bump, e.g. through .data, or the op's result depends on something the scope cannot restore), "
         "and would give wrong gradients."
     )
-
-
-# NOTE [ RNG and autocast in a replay ]
-# Autocast is *off* during a replay: the dispatch level sits below autocast, so the recorded ops are
-# already cast, and replaying them under autocast would cast again. RNG: the default CPU generator
-# and every device of an already initialised accelerator are captured when the scope opens (it can't
-# be known which devices the scope will draw from; each costs a few µs), and the replay draws inside
-# a fork, so the caller's stream goes on untouched. An accelerator first initialised inside the scope
-# is replayed from its freshly seeded state. Each random op then sets its own generator's state
-# (explicit torch.Generator arguments included): see NOTE [ Random ops ].
-def _replay_state(state: ReplayState) -> Any:
-    """``state.replay()``, without entering autocast contexts when autocast is off already (NOTE
-    [ Speed ] (i))."""
-    if any(torch.is_autocast_enabled(device_type) for device_type, _, _ in state.autocast.settings):
-        return state.replay()
-    if state.rng is None:
-        return _NOTHING
-    return _rng_replayed(state.rng)
-
-
-@contextlib.contextmanager
-def _rng_replayed(rng: RNGState) -> Iterator[None]:
-    # What ReplayState.replay does for the RNG: the forward's state inside a fork.
-    with fork_rng(d for d, _ in rng.devices):
-        rng.restore()
-        yield
-
-
-def _capture_replay_state(preserve_rng_state: bool) -> tuple[ReplayState, str | None]:
-    """RNG of the CPU and of every device of an initialised accelerator; autocast *off*.
-
-    Also returns the accelerator's type if it is not initialised yet (see ``_seeded_states``).
-    """
-    accelerator = torch.accelerator.current_accelerator()
-    device_types = [] if accelerator is None else [accelerator.type]
-    devices: list[torch.device] = []
-    uninitialised = None
-    if accelerator is not None:
-        if device_initialised(accelerator.type):
-            # Every device: which ones the scope will draw from can't be known now.
-            devices = [torch.device(accelerator.type, i) for i in range(torch.accelerator.device_count())]
-        else:
-            uninitialised = accelerator.type
-    rng = RNGState.capture(devices) if preserve_rng_state else None
-    # Off, whatever backward runs under: the recorded ops are already cast.
-    settings = AutocastState.capture(device_types).settings
-    autocast_off = AutocastState(tuple((t, False, dtype) for t, _, dtype in settings), cache_enabled=False)
-    return ReplayState(rng=rng, autocast=autocast_off, devices=tuple(devices)), uninitialised
-
-
-def _with_accelerator_initialised_inside(state: ReplayState, device_type: str | None) -> ReplayState:
-    """``state``, plus the seeded generators of ``device_type`` if the scope initialised it."""
-    if device_type is None or state.rng is None or not device_initialised(device_type):
-        return state
-    # Initialised inside the scope, so its generators started from their seeds.
-    fresh = _seeded_states(device_type)
-    rng = RNGState(cpu=state.rng.cpu, devices=state.rng.devices + fresh)
-    return replace(state, rng=rng, devices=state.devices + tuple(d for d, _ in fresh))
-
-
-def _seeded_states(device_type: str) -> tuple[tuple[torch.device, torch.Tensor], ...]:
-    """The state each default generator of ``device_type`` had when it was created: its seed, offset 0.
-
-    Blind spot: a ``set_rng_state`` queued before the device was initialised is not known here.
-    """
-    module = torch.get_device_module(device_type)
-    states = []
-    for i, generator in enumerate(getattr(module, "default_generators", ())):
-        device = torch.device(device_type, i)
-        seeded = torch.Generator(device=device)
-        seeded.manual_seed(generator.initial_seed())
-        states.append((device, seeded.get_state()))
-    return tuple(states)
 
 
 # ============================================================================ 5. resident hooks
@@ -1468,12 +1302,294 @@ class _AfterBackward:
             self.hooks.release_if_idle()
 
 
-def leftovers() -> dict[str, Any]:
-    """What scopes still hold: the storages of the scope tensors registered for the pack hook to
-    recognise (any thread), and this thread's resident hooks (an entry on the stack, a live
-    recording, an open scope). Once every scope tensor is freed, both must be gone;
-    ``ckpt_lab.instruments.state`` checks it."""
-    hooks = _thread.hooks
-    held = hooks is not None and bool(hooks.live_recordings or hooks.resident is not None or hooks.open)
-    storages = {(id(member.recording), member.root) for member in list(_MEMBERS.values())}
-    return {"scope_storages_registered": len(storages), "scope_hooks_held": held}
+# ================================================================================= 6. RNG in a replay
+# NOTE [ Random ops ]
+# A replay must draw exactly the numbers the forward drew. The generators' state at the scope's
+# entry (NOTE [ RNG and autocast in a replay ]) is not enough: code in the scope may reseed between
+# two random ops (torch.manual_seed, torch.set_rng_state, fork_rng with a seed, a Generator's
+# manual_seed), and none of that is an aten op the tape could see; a replay from the entry state
+# then drew other numbers, silently. So each op that draws random numbers (OpInfo.random: aten's
+# ``nondeterministic_seeded`` tag, bernoulli_, native_dropout, randn, ...; and any custom op, which
+# can't be known not to) records the state of the generator it draws from just before it draws
+# (``ckpt_lab.rng.GeneratorState``), and the replay sets that state right before re-running it.
+# Its generator: its ``generator`` argument if one is passed, else the default generator of its
+# device (a factory's ``device`` argument, else its first tensor's). Cost: a get_state per random
+# op of the forward (about 1 µs; the CPU's Mersenne Twister state is 5 KB, a CUDA generator's 16
+# bytes), a set_state per random op replayed; the other ops test one attribute. Each generator
+# drawn from is put back after a replay (``ckpt_lab.rng.forked``): the caller's streams go on.
+# Limit: a custom op that draws from another generator than its device's default one (a Generator
+# held in Python, another device's) draws in a replay from wherever the ops replayed before left it:
+# right only if the scope does not reseed it and the replay skips no op that drew from it.
+_NOTHING = contextlib.nullcontext()
+
+
+# NOTE [ RNG and autocast in a replay ]
+# Autocast is *off* during a replay: the dispatch level sits below autocast, so the recorded ops are
+# already cast, and replaying them under autocast would cast again. RNG: the default CPU generator
+# and every device of an already initialised accelerator are captured when the scope opens (it can't
+# be known which devices the scope will draw from; each costs a few µs: ``ckpt_lab.rng``'s
+# ``capture_every_device``), and the replay draws inside a fork, so the caller's stream goes on
+# untouched. An accelerator first initialised inside the scope is replayed from its freshly seeded
+# state (``with_initialised_inside``). Each random op then sets its own generator's state (explicit
+# torch.Generator arguments included): see NOTE [ Random ops ].
+def _autocast_off(state: ReplayState) -> Any:
+    """``state.autocast.restored()`` (autocast off), without entering autocast contexts when autocast
+    is off already (NOTE [ Speed ] (i)). The RNG part of ``state.replay()`` is in _Replayer._replay."""
+    if any(torch.is_autocast_enabled(device_type) for device_type, _, _ in state.autocast.settings):
+        return state.autocast.restored()
+    return _NOTHING
+
+
+# ======================================================================================================
+# Hardening: what real code needs besides the mechanism above. Each part is a NOTE the code cites.
+# ======================================================================================================
+# NOTE [ What the tape leaves out ]
+# The tape is the forward's ops, and only those. Run through the mode but not recorded:
+# * ops run by our hooks or a replay: see NOTE [ Per-thread state ];
+# * ops of a backward run inside the scope (``loss.backward()`` in the with block). The autograd
+#   engine runs them with the thread's dispatch modes, ours included. Recorded, they made the
+#   gradients scope tensors, and the tape kept every parameter they read: the parameters kept
+#   their gradients, the gradients the recording (through _SCOPE_TENSORS), the recording the parameters,
+#   a cycle through a global that nothing freed, and a resident hook for as long as the model
+#   lived. A backward has nothing to recompute for: what it saves (create_graph) is stored;
+# * ops under inference_mode that write nothing in place: what they make are inference tensors,
+#   which autograd can't save. A later recorded op reads them as inputs (kept by reference, see
+#   NOTE [ Inputs are kept, not recomputed ]) rather than a replay recomputing, say, a teacher's
+#   forward. Ops under inference_mode that write in place are recorded: a replay must see the write.
+
+
+# NOTE [ A scope inside a checkpoint ]
+# Some checkpoints re-run their region in backward and match what the re-run saves to what the
+# forward saved, *by position*: torch.utils.checkpoint's non-reentrant checkpoint, ckpt_lab's
+# checkpoint, and any built like them. A scope inside such a region would make the forward save
+# other tensors than the re-run (inside backward a scope does nothing), and the checkpoint would
+# hand out the wrong tensors: silently wrong gradients. So inside their region a scope does
+# nothing; the checkpoint recomputes everything there anyway.
+#
+# Such a checkpoint is recognised by its pack hook, not by the name of the module that defines it
+# (a copied or renamed checkpoint would be missed):
+# * torch's, by the code objects of its two pack hooks (the forward's, defined in
+#   ``_checkpoint_hook.__init__``, and the re-run's, in ``_recomputation_hook.__init__``), read
+#   from torch once, here; the tests check that both are found;
+# * any other, by a protocol: a checkpoint whose backward re-runs its region and matches saved
+#   tensors by position sets ``recomputes_region = True`` on its pack hooks, the forward's and the
+#   re-run's (ckpt_lab's checkpoint does, and a copy of its file keeps it).
+def _pack_hook_codes(*hook_classes: str) -> frozenset[types.CodeType]:
+    """The code objects of the ``pack_hook`` functions defined in these classes' ``__init__``."""
+    codes = set()
+    for name in hook_classes:
+        init = getattr(getattr(torch_checkpoint, name, None), "__init__", None)
+        for const in getattr(getattr(init, "__code__", None), "co_consts", ()):
+            if isinstance(const, types.CodeType) and const.co_name == "pack_hook":
+                codes.add(const)
+    return frozenset(codes)
+
+
+_TORCH_CHECKPOINT_PACK_HOOKS = _pack_hook_codes("_checkpoint_hook", "_recomputation_hook")
+
+
+def _recomputes_region(pack: Any) -> bool:
+    """Whether ``pack`` is the pack hook of a checkpoint that re-runs its region in backward."""
+    # Through decorators (torch wraps its re-run's pack hook in torch._dynamo.disable), a few deep:
+    # a __wrapped__ chain may loop.
+    for _ in range(8):
+        if getattr(pack, "recomputes_region", False) is True:
+            return True
+        if getattr(pack, "__code__", None) in _TORCH_CHECKPOINT_PACK_HOOKS:
+            return True
+        pack = getattr(pack, "__wrapped__", None)
+        if pack is None:
+            return False
+    return False
+
+
+def _inside_a_checkpoint() -> bool:
+    """Whether such a checkpoint's pack hook is on this thread's stack, above our entries (it can't
+    be below them: a scope that closed above it, and so could have wrapped it, was inside its
+    region, where a scope does nothing)."""
+    if not _saved_tensors_hooks_is_enabled():
+        # We could not push back what we pop; and the scope's own push will fail anyway.
+        return False
+    popped = []
+    try:
+        while (top := _top()) is not None and not isinstance(top[0], _PackHook):
+            if _recomputes_region(top[0]):
+                return True
+            # Look below it (typically a save_on_cpu inside a checkpointed function).
+            _pop_saved_tensors_default_hooks()
+            popped.append(top)
+        return False
+    finally:
+        for pack, unpack in reversed(popped):
+            _push_saved_tensors_default_hooks(pack, unpack)
+
+
+# NOTE [ Inputs are kept, not recomputed ]
+# Tensors from outside the scope that a replay reads (inputs, parameters) are kept by strong
+# reference until every reference autograd holds and every scope tensor is gone: an input nothing
+# else keeps (``a`` in ``a + b``, which add does not save) lives until backward. That includes
+# tensors made by an earlier scope and read by a later one, until the later scope's first replay.
+# A _ScopeTensorRef from the start would make the later replay start with the earlier scope's,
+# which would hold all of *its* recomputed tensors while backward goes through the later one, and
+# so on down a chain of scoped layers: peak memory as without any checkpointing. Kept, they are the
+# layer boundaries a checkpoint stores too.
+# Once the later scope has replayed (its with block closed), such an input is needed only by a
+# second backward (retain_graph), so it is let go (_Recomputed): the earlier scope recomputes it
+# anyway, for the references autograd holds to it. Kept, it was alive beside the loss's (or the
+# next block's) backward temporaries at the later replay: one block boundary more at the peak of a
+# scoped MLP or transformer stack (RETURNN's scope drops it too: it replays only once). For a second
+# backward, the earlier scope's next replay offers its copy back (_Recomputed.offer), kept if a
+# reference of the later scope is still alive then (the graph is retained); otherwise a second
+# replay of the later scope asks the earlier one for it, and the replays would cascade down a chain.
+class _Recomputed:
+    """An earlier scope's tensor that a replay read as an input (a _Borrowed until then), let go
+    after that replay: see NOTE [ Inputs are kept, not recomputed ]."""
+
+    __slots__ = ("__weakref__", "kept", "reader", "ref", "wanted")
+
+    def __init__(self, ref: _ScopeTensorRef, reader: _Replayer) -> None:
+        self.ref = ref  # into the earlier scope; not wanted by its replays until needed here
+        self.reader = weakref.ref(reader)  # the replayer of the scope that reads it
+        self.kept: torch.Tensor | None = None
+        self.wanted = False
+        # The earlier scope offers us what its next replay recomputes (``offer``).
+        with ref.replayer.lock:
+            ref.replayer.offers.append(weakref.ref(self))
+
+    def offer(self, values: dict[int, torch.Tensor]) -> bool:
+        """The earlier scope replayed, with ``values`` by storage slot: keep ours if the reading scope may
+        replay again (a reference of its is alive after this backward served it: retain_graph).
+        Returns whether the offer is still open."""
+        reader = self.reader()
+        if reader is None or self.kept is not None:
+            return False
+        value = values.get(self.ref.storage_slot)
+        if value is None or not any(r() is not None for r in reader.refs):
+            return True
+        geometry = self.ref.geometry
+        self.kept = value if geometry is None else _restrided(value, geometry)
+        return False
+
+    def materialize(self) -> torch.Tensor:
+        if self.kept is not None:
+            return self.kept
+        ref = self.ref
+        if not self.wanted:
+            # Wanted from now on: that scope's replays keep it until served here.
+            self.wanted = True
+            replayer = ref.replayer
+            with replayer.lock:
+                replayer.refs.append(weakref.ref(ref))
+                if ref.storage_slot in replayer.values:
+                    replayer.pending[ref.storage_slot] += 1
+        return ref.unpack()
+
+
+class _Alias:
+    """Another tensor object on memory the scope made (a ``.data``, a Parameter wrapped around it):
+    a replay makes it as a view of the recomputed memory, with its geometry."""
+
+    __slots__ = ("geometry",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
+
+
+# NOTE [ Outside tensors written in place ]
+# An outside tensor written in place inside the scope (BatchNorm's running statistics, buf.add_(1))
+# must be updated exactly once, by the forward. So it is copied once, just before the first write
+# (_Snapshot), and each replay writes into a fresh copy of that copy; a large buffer costs its size.
+# Views of it made earlier are replayed as views of the copy, so they see the write too. A tensor
+# that shares memory the scope made (.data, a Parameter initialised in place) is no outside tensor:
+# its writes are replayed into the recomputed memory (_Alias). Refused with CheckpointError: an
+# outside tensor that changed, by an op the scope did not see, between the scope reading it and
+# writing to it.
+class _Snapshot:
+    """An input the scope writes to in place, copied just before the first write: each replay writes
+    into a copy of this copy, and the input itself is updated exactly once, by the forward."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.clone()
+
+    def materialize(self) -> torch.Tensor:
+        return self.tensor.clone()
+
+
+def _encode_written(tape: _Tape, tensor: torch.Tensor) -> _Slot:
+    """``tape.encode`` for a tensor an op is about to write to. An input also names its storage here:
+    ``p.data = ...`` swaps it (a LazyLinear's first forward, between reading the placeholder and
+    initialising the new memory in place), and from then on p is another input. Checked before
+    writes only, where it matters for parameters made in the scope (see NOTE [ Speed ] (h))."""
+    entry = tape.by_id.get(id(tensor))
+    # By the storage's id: a new storage that got a dead one's id goes unseen, and the write then
+    # goes to a copy (see NOTE [ Outside tensors written in place ]), right unless an op the
+    # replay runs read the old values.
+    swapped = entry is not None and len(entry) == 3 and entry[0]() is tensor
+    if swapped and entry[2] != id(storage_of(tensor)):
+        return tape.add_input(tensor)
+    return tape.encode(tensor)
+
+
+_dynamo_skips: list[Any] = []
+
+
+def _skip_dynamo(code: types.CodeType) -> None:
+    """Tell Dynamo to skip ``code``'s frames and every frame they call (what torch._dynamo.disable's
+    wrapper does per call, here marked once on the code object). See NOTE [ Speed ] (j)."""
+    _dynamo_skips.append(code)
+    try:
+        # Imported on first use, as the wrapper would (importing Dynamo takes a while).
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except (ImportError, AttributeError):
+        return  # a torch without Dynamo: nothing would trace the mode anyway
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+# ======================================================================================================
+# Appendix: NOTE [ Speed ]
+# ======================================================================================================
+# NOTE [ Speed ]
+# The recording runs once per aten op of the forward, and the replay once per op it re-runs, so
+# both spare Python calls where they can. Each shortcut cites its letter:
+# (a) An op's schema facts are looked up in _aten's cache by id(func), without a call on a hit
+#     (an OpOverload's __hash__ is a Python method, and op_info() a Python call).
+# (b) tuple.__new__(_Op, ...) rather than _Op(...): a NamedTuple's __new__ is a Python function.
+# (c) One tensor returned, the common case, is handled without calling _outputs; and _outputs
+#     flattens by hand, without pytree's generic (and slower) traversal. The common paths of a
+#     recorded op are written out in _Tape.record (a known tensor argument, an output's metadata,
+#     new memory), the rare ones are calls (encode, _alias_slot).
+# (d) type(x) is _Slot rather than isinstance(), and _resolve inlined where it runs once per
+#     argument of every replayed op.
+# (e) One shared empty dict (_NO_KWARGS) for ops called without keyword arguments.
+# (f) The per-tensor objects (_SlotRecord, _ScopeTensorRef, _ScopeTensor, ...) have __slots__; and
+#     _ScopeTensor is a weakref subclass, the one weak reference a scope tensor costs: the tape's
+#     identity map (by_id) and the process-wide registry (_SCOPE_TENSORS) share it.
+# (g) The questions asked of every op are C calls (the graph task, inference mode) or attributes
+#     of the cached OpInfo (info.writes, info.random); random ops alone pay for a generator state.
+# (h) Reading a tensor the tape knows costs one dict lookup and a weakref call, nothing more: a
+#     swapped storage (``p.data = ...``) is looked for only before an op writes to it in place.
+# (i) Per scope rather than per op, for a chain of small scoped blocks: a replay enters no autocast
+#     context when autocast is off already and puts the caller's generators back by hand (not a
+#     context manager per generator); a leaf saved in the scope (a parameter) is stored without a
+#     detach op (which would run through the recording mode); the autocast-off state a scope
+#     captures is made once per accelerator (ckpt_lab.rng.capture_every_device).
+# (j) torch wraps a dispatch mode's __torch_dispatch__ in torch._dynamo.disable (so that Dynamo
+#     never traces it), a Python wrapper that swaps the frame-evaluation callback four times per
+#     call: a tenth of the scope's time on a chain of pointwise ops. Instead the mode's code object
+#     is marked once for Dynamo to skip, with every frame it calls (_skip_dynamo): the same
+#     protection, paid in C.
+# (k) An OpOverload's __call__ is a Python frame that calls its C++ entry point, ``func._op``; the
+#     recording and the replay call that entry point (OpInfo.call, _Op.call) directly.
+# (l) Frames spared per saved tensor: the pack hook marks itself as running (NOTE [ Per-thread
+#     state ]) only on the paths that may run ops (storing, handing on), not for a scope tensor; the
+#     unpack hook serves a scope tensor's reference without calling its unpack method; the callback
+#     of a scope tensor's death does the recording's bookkeeping itself.
+# (m) A replay unpacks each recorded op's fields at once; its plan reads the slots each op reads
+#     from _Op.reads, gathered while the op was recorded, not from its arguments again.
+# (o) The pack hook compares a tensor's geometry with its slot's only for a view or an undeclared
+#     alias: the registered tensor itself, on memory of its own, is its slot's tensor.
+# Measured on the benchmark's chain of 64 dropout blocks (paired rounds, one thread, process time on
+# a shared machine): (k)-(o) took the scope from 1.26x to 1.16x torch's non-reentrant checkpoint.

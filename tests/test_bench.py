@@ -12,7 +12,7 @@ import torch
 
 from ckpt_lab import CheckpointError, bench
 from ckpt_lab.bench.__main__ import main as bench_main
-from ckpt_lab.bench.measure import _loss
+from ckpt_lab.bench.measure import SCOPE_TIME_VS_TORCH, _loss
 from ckpt_lab.instruments.counting import count_flops
 from ckpt_lab.instruments.flops import CostCounter, matmul_flops
 from ckpt_lab.instruments.state import assert_no_global_state, changes, global_state
@@ -73,7 +73,7 @@ def test_report_structure(quick_run):
             "ckpt-scope"} <= names
     assert len(names) == 12
     workloads = {r["workload"] for r in report["results"]}
-    assert {"mlp-4", "mlp-8", "transformer-2", "pointwise-8"} == workloads
+    assert {"mlp-4", "mlp-8", "transformer-2", "pointwise-8", "chain-16"} == workloads
     assert len(report["results"]) == len(workloads) * len(names)
     for r in report["results"]:
         assert 0 < r["retained_bytes"] <= r["peak_bytes"], r
@@ -103,15 +103,17 @@ def test_memory_targets_of_the_reimplementations(quick_run):
 
 
 def test_the_scope_is_checked_against_its_peers_on_every_workload(quick_run):
-    # Reported, not asserted (the peak is a MISS by the last block's interior; times are noisy):
-    # a peak line and a paired time line for each workload; retained bytes are asserted.
+    # A peak line and a paired time line for each workload. Bytes are asserted (retained and peak at
+    # or below torch's non-reentrant checkpoint); times are reported, not asserted (machines are shared).
     _, report, _ = quick_run
     scope_checks = [c for c in report["targets"] if c["target"].startswith("ckpt-scope")]
     workloads = {r["workload"] for r in report["results"]}
-    for what in ("peak_bytes <= torch-nonreentrant", "time <= 1.10x torch-nonreentrant"):
+    time_line = f"time <= {SCOPE_TIME_VS_TORCH:.2f}x torch-nonreentrant"
+    for what in ("peak_bytes <= torch-nonreentrant", time_line):
         assert {c["workload"] for c in scope_checks if what in c["target"]} == workloads, what
-    retained = [c for c in scope_checks if "retained_bytes" in c["target"]]
-    assert len(retained) == len(workloads) and all(c["ok"] for c in retained), retained
+    for what in ("retained_bytes", "peak_bytes"):
+        lines = [c for c in scope_checks if what in c["target"]]
+        assert len(lines) == len(workloads) and all(c["ok"] for c in lines), lines
     for r in report["results"]:
         assert r["time_vs_torch_nonreentrant"] > 0, r
 
@@ -121,7 +123,7 @@ def test_every_plan_stays_within_its_budget(quick_run):
     checks = {
         (c["workload"], c["target"]): c for c in report["targets"] if "within its budget" in c["target"]
     }
-    assert len(checks) == 4 * len(PLANNED)
+    assert len(checks) == 5 * len(PLANNED)
     assert all(c["ok"] for c in checks.values()), checks
     for r in report["results"]:
         if r["strategy"] in PLANNED:

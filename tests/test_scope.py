@@ -459,15 +459,18 @@ def scoped_chain(depth: int = 3, dim: int = 16) -> tuple[list[torch.Tensor], lis
 
 
 def test_a_later_scope_lets_go_of_an_earlier_scopes_tensor_once_replayed() -> None:
-    # Scope 2 keeps h1 (an input it reads) until its first replay; then scope 1 recomputes it.
+    # Scope 2 keeps h1 (an input it reads) until its first replay; then scope 1 recomputes it. (That
+    # replay, for the loss, keeps the block's Linear output in h1's stead, so that the second, for
+    # the block's own backward, needs no h1: NOTE [ The first replay of a backward ].)
     (h1, h2), params, expected = scoped_chain(depth=2)
     ref = weakref.ref(h1)
     del h1
-    alive_after_replay = []
-    h2.register_hook(lambda grad: alive_after_replay.append(ref() is not None))
-    h2.square().sum().backward()  # the loss's backward unpacks h2: scope 2 replays, reading h1
+    alive = []
+    h2.register_hook(lambda grad: alive.append(ref() is not None))  # after the loss's backward
+    params[3].register_hook(lambda grad: alive.append(ref() is not None))  # in block 2's backward
+    h2.square().sum().backward()
     del h2
-    assert alive_after_replay == [False]
+    assert alive == [False, False]
     assert_all_equal([p.grad for p in params], expected)
 
 
@@ -484,10 +487,57 @@ def test_a_second_backward_through_a_chain_does_not_cascade() -> None:
         loss.backward(retain_graph=True)
         loss.backward()
     assert replays_when_h3_served == [1, 3 + 1]  # scope 3 alone, in each backward
-    assert counter.counts["addmm"] == 6  # one replay of each block per backward
+    # A replay of each block's matmul per backward (NOTE [ The first replay of a backward ]): in the
+    # first, the last block's second replay starts from the Linear output its first replay kept in
+    # h2's stead; in the second, h2 is the copy scope 2 handed back (kept for this backward, not let
+    # go), so nothing is kept in its stead and the last block's matmul runs once more: 3 + 4.
+    assert counter.counts["addmm"] == 7
     assert_all_equal([p.grad for p in params], [2 * g for g in expected])
     del loss
     gc.collect()
+
+
+def test_the_first_replay_of_a_backward_serves_only_the_loss_so_the_peak_is_torchs() -> None:
+    # NOTE [ The first replay of a backward ]: in a chain of scoped blocks the loss's unpack replays
+    # the last block for the loss alone; the block's own saved tensors come from a second replay in
+    # its own backward, so they are not alive beside the loss's backward temporaries.
+    depth, width = 4, 64
+
+    def stack() -> tuple[list[nn.Module], torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.1)) for _ in range(depth)]
+        return blocks, torch.randn(16, width, requires_grad=True)
+
+    def run(wrap: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> tuple[int, list, int]:
+        blocks, x = stack()
+
+        def loss() -> torch.Tensor:
+            torch.manual_seed(1)
+            h = x
+            for block in blocks:
+                h = wrap(block, h)
+            return h.square().mean()
+
+        peak = measure_memory(loss).peak_bytes
+        with OpCounter() as counter:
+            loss().backward()
+        return peak, grads(x, *(p for b in blocks for p in b.parameters())), counter.counts["addmm"]
+
+    def scoped(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        with gradient_checkpoint_scope():
+            return block(h)
+
+    _, plain, _ = run(lambda block, h: block(h))
+    torch_peak, torch_grads, torch_addmm = run(
+        lambda block, h: torch_checkpoint(block, h, use_reentrant=False)
+    )
+    scope_peak, scope_grads, scope_addmm = run(scoped)
+    assert_all_equal(scope_grads, plain)
+    assert_all_equal(torch_grads, plain)
+    assert scope_peak <= torch_peak
+    # The forward and a re-run of each block's matmul, as torch: the last block's second replay starts
+    # from the Linear output its first replay kept in place of the block's input (the same bytes).
+    assert (torch_addmm, scope_addmm) == (2 * depth, 2 * depth)
 
 
 # ------------------------------------------------------------------------------- in-place updates
@@ -1000,3 +1050,72 @@ def test_dynamo_skips_the_recording_mode_as_torch_would_have_it() -> None:
     assert "__torch_dispatch__" in scope_module._RecordingMode.__dict__
     assert not hasattr(scope_module._RecordingMode.__torch_dispatch__, "__wrapped__")
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------ public accessors
+def test_accessors_name_the_scopes_entries_on_the_hooks_stack() -> None:
+    from ckpt_lab.scope import is_scope_pack_hook, pack_hook_below
+
+    a = leaves((10,))[0]
+
+    def user_pack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    with saved_tensors_hooks(user_pack, lambda t: t):
+        assert not is_scope_pack_hook(top_hooks()[0])
+        with gradient_checkpoint_scope():
+            own = top_hooks()[0]  # the open scope's entry: scope tensors to us, the rest to user_pack
+            x = a.sin()
+        wrapper = top_hooks()[0]  # the closed scope left a resident entry; user_pack is wrapped
+        assert [is_scope_pack_hook(own), is_scope_pack_hook(wrapper)] == [True, True]
+        assert [pack_hook_below(own), pack_hook_below(wrapper)] == [user_pack, user_pack]
+        torch._C._autograd._pop_saved_tensors_default_hooks()  # look below the wrapper, then put it back
+        resident = top_hooks()[0]
+        torch._C._autograd._push_saved_tensors_default_hooks(*[wrapper, scope_module._unpack])
+        assert is_scope_pack_hook(resident) and pack_hook_below(resident) is None
+        with pytest.raises(TypeError, match="not one of gradient_checkpoint_scope's pack hooks"):
+            pack_hook_below(user_pack)
+        del x
+    # The private names notebooks used stay: the class, and its ``below`` pair.
+    assert scope_module._PackHook is type(own) and own.below[0] is user_pack
+
+
+def test_inside_scope_hook_is_true_exactly_while_a_replay_runs() -> None:
+    from ckpt_lab.scope import inside_scope_hook
+
+    seen: list[tuple[str, bool]] = []
+
+    class Log(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+            seen.append((func.overloadpacket.__name__, inside_scope_hook()))
+            return func(*args, **(kwargs or {}))
+
+    a, c = leaves((10,), (10,))
+    with gradient_checkpoint_scope():
+        x = a.exp()
+    y = (x * c).sum()
+    del x
+    with Log():
+        y.backward()
+    # exp runs once more in backward, in the replay; nothing else runs inside our hooks.
+    assert [name for name, inside in seen if inside] == ["exp"]
+    assert not inside_scope_hook() and scope_module._thread.in_hook == 0
+    del y
+
+
+def test_recomputes_region_recognises_checkpoints_by_their_pack_hooks() -> None:
+    from ckpt_lab.scope import recomputes_region
+
+    seen = []
+
+    def function(x: torch.Tensor) -> torch.Tensor:
+        seen.append(top_hooks()[0])
+        return x.sin()
+
+    a = leaves((3,))[0]
+    torch_checkpoint(function, a, use_reentrant=False)
+    ckpt_lab_checkpoint(function, a)
+    with saved_tensors_hooks(lambda t: t, lambda t: t):
+        seen.append(top_hooks()[0])
+    assert [recomputes_region(pack) for pack in seen] == [True, True, False]
+    assert [scope_module._recomputes_region(pack) for pack in seen] == [True, True, False]

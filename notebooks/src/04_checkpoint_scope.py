@@ -63,6 +63,7 @@ from torch._C._autograd import _top_saved_tensors_default_hooks
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import ckpt_lab.scope
 from ckpt_lab import LiveMemory, gradient_checkpoint_scope
 from ckpt_lab import checkpoint as ckpt_lab_checkpoint
 from ckpt_lab.bench.workloads import mlp
@@ -70,7 +71,7 @@ from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.tensors import all_equal, grads, leaves
 from ckpt_lab.helpers.viz import save_figure, show_dot
 from ckpt_lab.instruments.memory import measure_memory
-from ckpt_lab.scope import _PackHook, _thread
+from ckpt_lab.scope import inside_scope_hook, is_scope_pack_hook, pack_hook_below
 
 print("torch", torch.__version__)
 
@@ -92,8 +93,9 @@ def hooks_stack():  # bottom first, each entry described
         push_hooks(pack, unpack)
     return [describe(pack) for pack, _ in reversed(entries)]
 def describe(pack):
-    if isinstance(pack, _PackHook):
-        return "resident entry (ours)" if pack.below is None else f"ours, others to {describe(pack.below[0])}"
+    if is_scope_pack_hook(pack):
+        below = pack_hook_below(pack)
+        return "resident entry (ours)" if below is None else f"ours, others to {describe(below)}"
     return getattr(pack, "__name__", type(pack).__name__)
 
 # %% [markdown]
@@ -274,7 +276,7 @@ del x, y, z
 # The end of the pack hook, after it has looked the tensor up (`ref` is None unless a scope made it):
 
 # %%
-show_source(_PackHook.__call__, start="if ref is not None", stop="finally")
+show_source(ckpt_lab.scope, start="if ref is not None", stop="finally")
 
 # %% [markdown]
 # ### The hard part: hooks that outlive the `with` block
@@ -435,7 +437,7 @@ class NamedMemory(LiveMemory):
         first = len(self.events)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         # in_hook: one of the scope's hooks (and so its replay) is running
-        recompute = self.phase == "backward" and (_thread.in_hook > 0 or torch.is_grad_enabled())
+        recompute = self.phase == "backward" and (inside_scope_hook() or torch.is_grad_enabled())
         self.kinds.append((first, "recompute" if recompute else self.phase))
         copy = next((n + "'" for n, t in self.outputs.items() if recompute and isinstance(out, torch.Tensor)
                      and out.shape == t.shape and torch.equal(out, t)), None)

@@ -75,11 +75,11 @@ from torch._C._autograd import (
 )
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 
-import ckpt_lab.scope as scope_module
 from ckpt_lab import CheckpointError, LiveMemory, gradient_checkpoint_scope
 from ckpt_lab import checkpoint as ckpt_lab_checkpoint
 from ckpt_lab.helpers.tensors import all_equal, grads, leaves
 from ckpt_lab.instruments.state import assert_no_global_state as assert_clean
+from ckpt_lab.scope import inside_scope_hook, recomputes_region
 
 _ = torch.manual_seed(0)
 
@@ -164,7 +164,7 @@ class OpNames(LiveMemory):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         first = len(self.events)
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        replay = scope_module._thread.in_hook > 0  # one of the scope's hooks (and its replay) is running
+        replay = inside_scope_hook()  # one of the scope's hooks (and its replay) is running
         for serial, sign, _ in self.events[first:]:
             if sign > 0:
                 self.names[serial] = func.overloadpacket.__name__ + ("'" if replay else "")
@@ -550,9 +550,9 @@ def pack_hook_inside(run_checkpoint):
 
 checkpoints = {"torch.utils.checkpoint": torch_checkpoint, "ckpt_lab.checkpoint": ckpt_lab_checkpoint}
 for name, run_checkpoint in checkpoints.items():
-    print(f"{name:<32} recognised:", scope_module._recomputes_region(pack_hook_inside(run_checkpoint)))
+    print(f"{name:<32} recognised:", recomputes_region(pack_hook_inside(run_checkpoint)))
 with saved_tensors_hooks(lambda t: t, lambda t: t):
-    print(f"{'a user saved_tensors_hooks':<32} recognised:", scope_module._recomputes_region(top_hooks()[0]))
+    print(f"{'a user saved_tensors_hooks':<32} recognised:", recomputes_region(top_hooks()[0]))
 
 # %% [markdown]
 # ## Summary
