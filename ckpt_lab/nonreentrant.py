@@ -486,6 +486,11 @@ class _Keywords:
                 'tensor with the forward\'s, and the op that made it; "none" compares nothing.'
             )
         debug = _debug_override if _debug_override is not None else debug
+        if (
+            determinism_check == "default" and not debug and context_fn is noop_context_fn
+            and respect_saved_tensors_hooks is None and _early_stop_override is None and early_stop
+        ):  # fmt: skip
+            return _DEFAULT_KEYWORDS  # the common call: nothing to build
         keywords = cls(
             check=determinism_check == "default",
             early_stop=_early_stop_override if _early_stop_override is not None else early_stop,
@@ -505,10 +510,15 @@ class _Keywords:
     def contexts(self) -> tuple[Any, Any]:
         """``context_fn()``'s pair; its forward context learns ``respect_saved_tensors_hooks``."""
         forward, recompute = self.context_fn() if self.context_fn else noop_context_fn()
-        # As torch 2.14 does for its selective mode: set after construction, where the mode has it.
-        if hasattr(forward, "respect_saved_tensors_hooks"):
+        # As torch 2.14 does for its selective mode: set after construction, where the mode has it
+        # (unless left at None: a value given to ``selective_checkpoint_contexts`` stands).
+        if self.respect_saved_tensors_hooks is not None and hasattr(forward, "respect_saved_tensors_hooks"):
             forward.respect_saved_tensors_hooks = self.respect_saved_tensors_hooks
         return forward, recompute
+
+
+# Shared by every call that passes no keyword of its own (never modified).
+_DEFAULT_KEYWORDS = _Keywords(context_fn=noop_context_fn)
 
 
 class _Configured:
@@ -560,18 +570,34 @@ def _device_context() -> contextlib.AbstractContextManager:
 # hooks stack, hangs on them the pair that was on top before (``_user_hooks``): so a selective
 # checkpoint's mode can find the *user's* hooks (``save_on_cpu``) under any number of checkpoints.
 # Ours follow the same protocol, so that torch 2.14's selective mode inside our checkpoint and ours
-# inside torch's find the same hooks. The attribute is deleted on exit: the graph keeps the pack
+# inside torch's find the same hooks. The attribute is cleared on exit: the graph keeps the pack
 # hook, and a lasting reference from it to the user's hooks could make a cycle the collector cannot
 # see (torch's reason too).
-@contextlib.contextmanager
-def _checkpoint_hooks(pack: Callable[..., Any], unpack: Callable[..., Any]) -> Iterator[None]:
+def _checkpoint_hooks(pack: Callable[..., Any], unpack: Callable[..., Any]) -> saved_tensors_hooks:
+    """``saved_tensors_hooks(pack, unpack)``, marked as a checkpoint's own (the NOTE above)."""
     pack._checkpoint_internal = True  # type: ignore[attr-defined]
-    pack._user_hooks = user_saved_tensors_hooks()  # type: ignore[attr-defined]
-    try:
-        with saved_tensors_hooks(pack, unpack):
-            yield
-    finally:
-        del pack._user_hooks  # type: ignore[attr-defined]
+    user = user_saved_tensors_hooks()
+    if user is None:
+        # The common case costs two attributes: nothing to hang, nothing to take down.
+        pack._user_hooks = None  # type: ignore[attr-defined]
+        return saved_tensors_hooks(pack, unpack)
+    return _WithUserHooks(pack, unpack, user)
+
+
+class _WithUserHooks(saved_tensors_hooks):
+    """Our hooks over the user's: ``_user_hooks`` names them while ours are on the stack."""
+
+    def __init__(self, pack: Callable[..., Any], unpack: Callable[..., Any], user: tuple) -> None:
+        super().__init__(pack, unpack)
+        self.user = user
+
+    def __enter__(self) -> None:
+        self.pack_hook._user_hooks = self.user  # type: ignore[attr-defined]
+        super().__enter__()
+
+    def __exit__(self, *args: object) -> None:
+        self.pack_hook._user_hooks = None  # type: ignore[attr-defined]
+        super().__exit__(*args)
 
 
 def user_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:

@@ -24,6 +24,7 @@ does not have (NOTE [ The reentrant determinism check ]).
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -233,8 +234,7 @@ class _Fingerprints:
     def __init__(self, outputs: Any) -> None:
         flat = outputs if isinstance(outputs, tuple) else (outputs,)
         self.count = len(flat)
-        with torch.no_grad():
-            self.values = [(i, _meta(t), _norm(t)) for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
+        self.values = [(i, _meta(t), _norm(t)) for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
 
     def check(self, outputs: Any) -> None:
         flat = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -245,9 +245,8 @@ class _Fingerprints:
             if not isinstance(again, torch.Tensor) or _meta(again) != meta:
                 shown = _shown(_meta(again)) if isinstance(again, torch.Tensor) else type(again).__name__
                 raise _not_the_forward(f"output {i} is {shown} in the re-run, {_shown(meta)} in the forward")
-            with torch.no_grad():
-                rerun = _norm(again)
-            if norm is not None and rerun is not None and not _close(norm, rerun, again.dtype):
+            rerun = _norm(again) if norm is not None else None
+            if rerun is not None and not _close(norm, rerun, again.dtype):
                 raise _not_the_forward(
                     f"output {i} has norm {float(rerun):.6g} in the re-run and {float(norm):.6g} in the "
                     "forward, with the same shape, dtype and device"
@@ -266,6 +265,7 @@ def _norm(tensor: torch.Tensor) -> float | torch.Tensor | None:
     plain = type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided
     if not plain or not tensor.dtype.is_floating_point or tensor.device.type == "meta":
         return None
+    # Detached: no graph, whatever the grad mode (the forward runs without, the re-run with).
     norm = torch.linalg.vector_norm(tensor.detach())
     # On the CPU a Python float: no tensor is kept between forward and backward. On a device, reading
     # it would wait for the device: kept as a 0-d tensor, compared in backward.
@@ -275,8 +275,8 @@ def _norm(tensor: torch.Tensor) -> float | torch.Tensor | None:
 def _close(forward: float | torch.Tensor, rerun: float | torch.Tensor, dtype: torch.dtype) -> bool:
     # Rounding: bitwise equal on a deterministic re-run; a few units of the last place otherwise.
     rtol = 1e-2 if torch.finfo(dtype).bits <= 16 else 1e-4
-    forward, rerun = torch.as_tensor(forward), torch.as_tensor(rerun, device=torch.as_tensor(forward).device)
-    return bool(torch.isclose(forward, rerun, rtol=rtol, atol=0.0, equal_nan=True))
+    forward, rerun = float(forward), float(rerun)
+    return math.isclose(forward, rerun, rel_tol=rtol) or (math.isnan(forward) and math.isnan(rerun))
 
 
 def _not_the_forward(what: str) -> CheckpointError:
