@@ -35,7 +35,6 @@ import functools
 import itertools
 import os
 import sys
-import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -702,11 +701,13 @@ _MACHINERY = {
 
 def _user_line() -> str:
     """``file:line in function`` of the innermost frame of the user's code (not torch, not ours)."""
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith(_TORCH_DIR) and filename not in _MACHINERY:
-            return f"{os.path.basename(filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+            # A Jupyter cell's file is a temporary name (ipykernel_<pid>/<hash>.py): say what it is.
+            where = "a notebook cell" if "ipykernel_" in filename else os.path.basename(filename)
+            return f"{where}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
 
@@ -722,15 +723,8 @@ class _OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is not torch.ops.aten.detach.default:
-            self.ops.append((str(func), _debug_line()))
+            self.ops.append((str(func), _user_line()))
         return func(*args, **(kwargs or {}))
-
-
-def _debug_line() -> str:
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if not frame.filename.startswith(_TORCH_DIR) and frame.filename not in _MACHINERY:
-            return f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}"
-    return "?"
 
 
 # torch's sentence for an error under debug=True (the error template in torch/utils/checkpoint.py).
