@@ -245,7 +245,8 @@ class _Fingerprints:
             if not isinstance(again, torch.Tensor) or _meta(again) != meta:
                 shown = _shown(_meta(again)) if isinstance(again, torch.Tensor) else type(again).__name__
                 raise _not_the_forward(f"output {i} is {shown} in the re-run, {_shown(meta)} in the forward")
-            rerun = _norm(again) if norm is not None else None
+            with torch.no_grad():  # the re-run runs with grad on: no graph for the norm
+                rerun = _norm(again) if norm is not None else None
             if rerun is not None and not _close(norm, rerun, again.dtype):
                 raise _not_the_forward(
                     f"output {i} has norm {float(rerun):.6g} in the re-run and {float(norm):.6g} in the "
@@ -265,8 +266,8 @@ def _norm(tensor: torch.Tensor) -> float | torch.Tensor | None:
     plain = type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided
     if not plain or not tensor.dtype.is_floating_point or tensor.device.type == "meta":
         return None
-    # Detached: no graph, whatever the grad mode (the forward runs without, the re-run with).
-    norm = torch.linalg.vector_norm(tensor.detach())
+    # Called with grad mode off (the forward runs so; the check turns it off): no graph, no detach.
+    norm = torch.linalg.vector_norm(tensor)
     # On the CPU a Python float: no tensor is kept between forward and backward. On a device, reading
     # it would wait for the device: kept as a 0-d tensor, compared in backward.
     return norm.item() if tensor.device.type == "cpu" else norm
