@@ -688,7 +688,9 @@ def _op_name(maker: str) -> str:
         return f"no op (a {'leaf that requires grad' if maker == 'leaf' else 'tensor without grad'})"
     stem = maker.removesuffix("Backward").rstrip("0123456789").removesuffix("Backward")
     snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in stem).lstrip("_")
-    return f"aten.{snake}" if hasattr(torch.ops.aten, snake) else f"the op behind {maker}"
+    # Private aten ops lose their leading underscore in the node's name (_to_copy: ToCopyBackward0).
+    found = [name for name in (snake, f"_{snake}") if hasattr(torch.ops.aten, name)]
+    return f"aten.{found[0]}" if found else f"the op behind {maker}"
 
 
 # The files whose frames are checkpointing machinery: the user's line is the innermost frame elsewhere.
