@@ -59,7 +59,8 @@ def reentrant_checkpoint(
         return run_eagerly(
             reentrant_checkpoint, function, *args, preserve_rng_state=preserve_rng_state, **options
         )
-    node = _check_options(options)
+    if not _check_options(options):
+        function = _Unchecked(function)  # determinism_check="none"
     if not torch.is_grad_enabled():
         # No graph will be built, so there is nothing to save and nothing to recompute.
         return function(*args)
@@ -67,7 +68,7 @@ def reentrant_checkpoint(
         # The autograd node only joins the graph through inputs that require grad; without one the
         # outputs are plain constants and parameters inside ``function`` never see a gradient.
         warnings.warn(_NO_INPUT_REQUIRES_GRAD, UserWarning, stacklevel=2)
-    return node.apply(function, preserve_rng_state, *args)
+    return CheckpointFunction.apply(function, preserve_rng_state, *args)
 
 
 class CheckpointFunction(torch.autograd.Function):
@@ -91,7 +92,8 @@ class CheckpointFunction(torch.autograd.Function):
         # which is redundant.
         outputs = function(*args)
         # What backward's re-run must reproduce: NOTE [ The reentrant determinism check ].
-        ctx.fingerprints = _Fingerprints(outputs) if _checks(ctx, preserve_rng_state) else None
+        checked = preserve_rng_state and not isinstance(function, _Unchecked)
+        ctx.fingerprints = _Fingerprints(outputs) if checked else None
         return outputs
 
     @staticmethod
@@ -137,21 +139,21 @@ class CheckpointFunction(torch.autograd.Function):
 # ============================================================================================
 # Behind the mechanism: torch's keywords and messages, and our determinism check
 # ============================================================================================
-class _UncheckedCheckpointFunction(CheckpointFunction):
-    """``determinism_check="none"``: torch's reentrant variant, which compares nothing."""
+class _Unchecked:
+    """``determinism_check="none"``: the function, marked so that ``CheckpointFunction`` compares
+    nothing, as torch's reentrant variant. (With ``preserve_rng_state=False`` it compares nothing
+    either: the caller accepts other random numbers, so other outputs.)"""
 
-    determinism_check = "none"
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any) -> Any:
+        return self.function(*args)
 
 
-def _checks(ctx: Any, preserve_rng_state: bool) -> bool:
-    # ``ctx._forward_cls`` is the Function subclass ``apply`` was called on. With
-    # preserve_rng_state=False the caller accepts other random numbers, so other outputs.
-    return preserve_rng_state and getattr(ctx._forward_cls, "determinism_check", "default") == "default"
-
-
-def _check_options(options: dict[str, Any]) -> type[CheckpointFunction]:
-    """torch's checks on the keywords of its reentrant variant, with torch's messages first; the
-    Function to apply (with or without our determinism check)."""
+def _check_options(options: dict[str, Any]) -> bool:
+    """torch's checks on the keywords of its reentrant variant, with torch's messages first; whether
+    our determinism check is on."""
     if options.pop("use_reentrant", True) is not True:
         raise ValueError(
             "reentrant_checkpoint: use_reentrant must be True here (this is the reentrant variant); "
@@ -183,7 +185,7 @@ def _check_options(options: dict[str, Any]) -> type[CheckpointFunction]:
             f'{determinism_check}. "default" checks that the recomputed outputs are the forward\'s; '
             '"none" checks nothing, as torch\'s reentrant variant.'
         )
-    return CheckpointFunction if determinism_check == "default" else _UncheckedCheckpointFunction
+    return determinism_check == "default"
 
 
 _NO_INPUT_REQUIRES_GRAD = (
