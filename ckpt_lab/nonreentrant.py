@@ -38,7 +38,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -293,9 +293,9 @@ class _StopRecomputation(Exception):
     """Raised inside the re-run once every tensor backward still needs has been recomputed."""
 
 
-@dataclass(frozen=True)
-class _Meta:
-    """A saved tensor's shape, dtype and device: what torch's determinism check compares."""
+class _Meta(NamedTuple):
+    """A saved tensor's shape, dtype and device: what torch's determinism check compares. (A tuple:
+    made once per saved tensor, twice per step, it must be cheap.)"""
 
     shape: torch.Size
     dtype: torch.dtype
