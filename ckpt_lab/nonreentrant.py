@@ -8,33 +8,37 @@ The reentrant checkpoint of notebook 02 hid the block inside one autograd node a
 backward. This one leaves the graph exactly as a plain forward builds it and changes only *what the
 graph stores*:
 
-* **forward**: a pack hook swaps every tensor autograd wants to save for an empty ``_Handle``. The
-  frame keeps the block's inputs and, per saved tensor, a weak reference to its handle and its
-  shape, dtype and device -- nothing else.
+* **forward**: a pack hook swaps every tensor autograd wants to save for an empty ``Handle``. The
+  ``Frame`` keeps the block's inputs and, per saved tensor, a weak reference to its handle, its
+  shape, dtype and device, and the op that made it (its ``grad_fn``'s name) -- nothing else.
 * **backward**: the first unpack in a backward re-runs the block once, with the forward's RNG and
   autocast state, under a second pack hook that drops each recomputed tensor into its handle *by
-  position*, and stops the re-run as soon as the last handle backward still needs is filled.
-  Each handle gives its tensor out once, so backward frees it as soon as it has used it.
+  position*, checks that the same op made it, and stops the re-run as soon as the last handle
+  backward still needs is filled. Each handle gives its tensor out once, so backward frees it as
+  soon as it has used it.
 
 Nothing is reentrant, so ``torch.autograd.grad``, ``backward(inputs=...)``, keyword arguments and
 blocks whose inputs don't require grad all just work.
 
-torch's keywords work as torch's do (``tests/test_torch_parity.py`` runs torch's own tests on them):
-``determinism_check``, ``debug`` (with ``set_checkpoint_debug_enabled``), ``early_stop`` (with
-``set_checkpoint_early_stop``) and ``context_fn``. Where torch raises, the error starts with torch's
-sentence, so that a search for it finds ours too, and goes on with what happened and what to do.
+Below the banner: torch's keywords (``determinism_check``, ``debug`` with
+``set_checkpoint_debug_enabled``, ``early_stop`` with ``set_checkpoint_early_stop``, ``context_fn``,
+torch 2.14's configured form ``checkpoint(use_reentrant=False)(fn)`` and
+``respect_saved_tensors_hooks``), the errors (torch's sentence first, then what ours adds),
+``debug=True``'s op recorder and the ``torch.compile`` fallback. ``tests/test_torch_parity.py`` runs
+torch's own tests on them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
-import traceback
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -47,28 +51,19 @@ from ckpt_lab.rng import ReplayState
 
 __all__ = [
     "CheckpointError",
+    "Frame",
+    "Handle",
     "check_use_reentrant",
     "checkpoint",
+    "frame_of",
     "noop_context_fn",
+    "pack_to_handle",
+    "recompute",
     "set_checkpoint_debug_enabled",
     "set_checkpoint_early_stop",
+    "unpack_from_handle",
+    "user_saved_tensors_hooks",
 ]
-
-_ADVICE = (
-    "The checkpointed function must save the same tensors when backward re-runs it: don't branch on "
-    "Python state that changes between calls (counters, flags, the step number), keep "
-    "preserve_rng_state=True if it draws random numbers, and don't modify its inputs in place. "
-    "If it cannot be made deterministic, don't checkpoint it."
-)
-_DEBUG_TIP = (
-    "To see the ops of the forward and of the recomputation side by side, pass debug=True to "
-    "ckpt_lab.checkpoint or wrap the call in `with ckpt_lab.set_checkpoint_debug_enabled(True):`."
-)
-# torch's values for ``determinism_check``: compare shape, dtype and device; or compare nothing.
-_DETERMINISM_CHECKS = ("default", "none")
-# None: each call's keyword decides; True/False: the context managers below override it.
-_early_stop_override: bool | None = None
-_debug_override: bool | None = None
 
 
 def noop_context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
@@ -77,7 +72,7 @@ def noop_context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.Abs
 
 
 def checkpoint(
-    function: Callable[..., Any],
+    function: Callable[..., Any] | None = None,
     *args: Any,
     preserve_rng_state: bool = True,
     context_fn: Callable[[], tuple[Any, Any]] | None = noop_context_fn,
@@ -85,6 +80,7 @@ def checkpoint(
     debug: bool = False,
     early_stop: bool = True,
     use_reentrant: bool = False,
+    respect_saved_tensors_hooks: bool | None = None,
     **kwargs: Any,
 ) -> Any:
     """``function(*args, **kwargs)``, keeping only its inputs; backward recomputes the activations.
@@ -98,18 +94,26 @@ def checkpoint(
       second around each recomputation. ``functools.partial(ckpt_lab.selective.
       selective_checkpoint_contexts, policy)`` makes the checkpoint selective (notebook 05), and so
       does torch's ``create_selective_checkpoint_contexts``. ``None`` means none.
-    * ``determinism_check="default"`` compares shape, dtype and device of each recomputed tensor with
-      the forward's and raises ``CheckpointError`` on a difference; ``"none"`` skips that comparison
-      (a recomputation that saves a different *number* of tensors still raises: backward would
-      miss tensors).
+    * ``determinism_check="default"`` compares each recomputed tensor with the forward's: its shape,
+      dtype and device (torch's check), and the op that made it (ours: the name of its ``grad_fn``,
+      which catches a re-run that took another path with tensors of the same shapes, and a re-run
+      that would save *more* tensors even when early stop ends it before torch could notice). It
+      raises ``CheckpointError`` on the first difference. ``"none"`` compares nothing (a
+      recomputation that saves a different *number* of tensors still raises: backward would miss
+      tensors).
     * ``debug=True``: on such an error, the message adds the aten ops of the forward and of the
       recomputation side by side, each with the line of your code that ran it, and marks the first
       difference. Costs a dispatch mode around both runs; not combinable with ``context_fn``.
       ``set_checkpoint_debug_enabled`` overrides it for every checkpoint in its block.
     * ``early_stop=True`` stops the recomputation once the last tensor backward still needs is
-      recomputed; ``False`` runs the whole function again (and so can notice a re-run that saves
-      *more* tensors). ``set_checkpoint_early_stop`` overrides it for every checkpoint whose forward
-      runs in its block.
+      recomputed; ``False`` runs the whole function again. ``set_checkpoint_early_stop`` overrides
+      it for every checkpoint whose forward runs in its block.
+    * ``respect_saved_tensors_hooks`` (torch 2.14): whether the outputs a *selective* checkpoint's
+      policy saves go through an enclosing ``saved_tensors_hooks`` (``save_on_cpu``); ``None`` (the
+      default) and ``False``: they don't, ``True``: they do. Passed on to the ``context_fn``'s
+      forward context (``ckpt_lab.selective``'s, or torch 2.14's); without one it does nothing.
+    * ``function`` left out (torch 2.14): ``checkpoint(use_reentrant=False, ...)`` returns a
+      decorator; ``checkpoint(use_reentrant=False)(fn)(*args)`` is ``checkpoint(fn, *args)``.
 
     Containers among the arguments (lists, tuples, dicts) are rebuilt for the recomputation from
     their contents at call time, so the re-run sees them as the forward did even if the caller
@@ -118,47 +122,280 @@ def checkpoint(
     where ``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)`` was; any other
     value is refused (see ``check_use_reentrant``).
     """
+    options = {
+        "preserve_rng_state": preserve_rng_state, "context_fn": context_fn,
+        "determinism_check": determinism_check, "debug": debug, "early_stop": early_stop,
+        "use_reentrant": use_reentrant, "respect_saved_tensors_hooks": respect_saved_tensors_hooks,
+    }  # fmt: skip
+    if function is None and not args:
+        # torch 2.14's configured form, checked now rather than at the first call.
+        return _Configured.decorator(checkpoint, options, kwargs)
     if torch.compiler.is_compiling():
         # NOTE [ Checkpoints under torch.compile ] (ckpt_lab.compiled): a graph break, then eager.
-        return run_eagerly(
-            checkpoint, function, *args, preserve_rng_state=preserve_rng_state, context_fn=context_fn,
-            determinism_check=determinism_check, debug=debug, early_stop=early_stop,
-            use_reentrant=use_reentrant, **kwargs,
-        )  # fmt: skip
-    check_use_reentrant(use_reentrant, "checkpoint")
-    if determinism_check not in _DETERMINISM_CHECKS:
-        raise ValueError(
-            f"checkpoint: determinism_check should be one of {list(_DETERMINISM_CHECKS)}, but got "
-            f'{determinism_check}. "default" compares shape, dtype and device of every recomputed '
-            'tensor with the forward\'s; "none" compares nothing.'
-        )
-    debug = _debug_override if _debug_override is not None else debug
-    early_stop = _early_stop_override if _early_stop_override is not None else early_stop
+        return run_eagerly(checkpoint, function, *args, **options, **kwargs)
+    keywords = _Keywords.resolve("checkpoint", function, **options)
     if not torch.is_grad_enabled():
         # No graph will be built, so there is nothing to save and nothing to recompute.
         return function(*args, **kwargs)
-    debug_log = None
-    if debug:
-        if context_fn not in (None, noop_context_fn):
-            raise ValueError(
-                "checkpoint: debug=True is incompatible with non-default context_fn. debug records "
-                "the ops through a context of its own; drop one of the two."
-            )
-        debug_log = _DebugLog()
-        context_fn = debug_log.contexts
-    forward_context, recompute_context = context_fn() if context_fn else noop_context_fn()
+    forward_context, recompute_context = keywords.contexts()
     # Snapshot RNG and autocast before the block draws its first random number.
     replay = ReplayState.capture(args, kwargs, preserve_rng_state=preserve_rng_state)
     # Built (and its inputs saved) before our hooks are installed, so they don't swallow the inputs.
-    frame = _Frame(function, args, kwargs, replay, recompute_context)
-    frame.check_metadata = determinism_check == "default"
-    frame.early_stop = early_stop
-    frame.debug_log = debug_log
-    frame.device_context = _device_context()
-    with saved_tensors_hooks(_pack_to_handle(frame), _unpack_from_handle(frame)), forward_context:
+    frame = Frame(function, args, kwargs, replay, recompute_context, keywords)
+    with _checkpoint_hooks(pack_to_handle(frame), unpack_from_handle(frame)), forward_context:
         out = function(*args, **kwargs)
     frame.forward_completed = True
     return out
+
+
+class Handle:
+    """What the graph stores instead of a saved tensor: a box that a recomputation fills, with one
+    tensor per backward (graph task id) that needs it, in ``recomputed``."""
+
+    def __init__(self) -> None:
+        self.recomputed: dict[int, torch.Tensor] = {}
+
+
+class _SaveInputs(torch.autograd.Function):
+    """A node that does nothing but keep the block's input tensors as autograd *saved tensors*."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return torch.empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        # Never called: nothing ever uses this node's output.
+        return (None,) * len(ctx.needs_input_grad)
+
+
+# Stands in the frame's argument list for each tensor, which lives in the ``_SaveInputs`` node.
+_TENSOR = object()
+
+
+class Frame:
+    """Everything one checkpointed call keeps between its forward and its backward(s).
+
+    Read by notebook 03b (through ``frame_of``): ``handles`` (a weak reference per saved tensor, in
+    the order the forward saved them; dead once backward freed the node that saved it), ``metas``
+    (shape, dtype and device of each) and ``makers`` (the op that made each: ``made_by``).
+    """
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        replay: ReplayState,
+        recompute_context: contextlib.AbstractContextManager | None = None,
+        keywords: _Keywords | None = None,
+    ) -> None:
+        keywords = keywords or _Keywords()
+        self.function = function
+        self.replay = replay
+        # Entered around every re-run; selective checkpointing (notebook 05) serves saved ops from it.
+        self.recompute_context = recompute_context or contextlib.nullcontext()
+        # Flatten args and kwargs together, so tensors inside lists or dicts are saved like the rest.
+        leaves, self.spec = tree_flatten((args, kwargs))
+        self.leaves = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        # Saving the inputs through autograd rather than in a list does two things: an enclosing
+        # checkpoint's pack hook sees them (so a nested checkpoint's inputs, which are the outer one's
+        # activations, are dropped and recomputed by the outer one), and autograd's version counter
+        # catches an input modified in place before backward. The anchor requires grad so that the
+        # node is recorded even when no input does.
+        self.saver = _SaveInputs.apply(torch.empty(0, requires_grad=True), *tensors)
+        self.handles: list[weakref.ref[Handle]] = []
+        self.metas: list[_Meta] = []
+        self.makers: list[str] = []
+        # Graph tasks (backward calls) that have already had their recomputation.
+        self.recomputed_for: set[int] = set()
+        # torch's keywords: compare each recomputed tensor (determinism_check); stop early.
+        self.check = keywords.check
+        self.early_stop = keywords.early_stop
+        self.debug_log: _DebugLog | None = keywords.debug_log
+        # The caller's ``with torch.device(...)``, re-entered for the re-run (see ``_device_context``).
+        self.device_context = _device_context()
+        # False while the forward runs: a backward inside it may re-run more than was saved so far.
+        self.forward_completed = False
+
+    def inputs(self) -> tuple[tuple, dict]:
+        """The block's ``(args, kwargs)`` again; unpacking may trigger an enclosing checkpoint's re-run."""
+        tensors = iter(self.saver.grad_fn.saved_tensors)
+        leaves = [next(tensors) if leaf is _TENSOR else leaf for leaf in self.leaves]
+        return tree_unflatten(leaves, self.spec)
+
+
+def frame_of(saved: Any) -> Frame | None:
+    """The ``Frame`` of the ``ckpt_lab.checkpoint`` that packed this saved tensor, or ``None``.
+
+    ``saved`` is what autograd keeps for one saved tensor, e.g. ``out.grad_fn._raw_saved_self``
+    (notebook 03b inspects a checkpoint this way), or its unpack hook.
+    """
+    try:
+        unpack = saved.unpack_hook if hasattr(saved, "unpack_hook") else saved
+    except RuntimeError:
+        # A saved tensor without hooks (not inside any checkpoint) has no unpack hook to read.
+        return None
+    return getattr(unpack, "frame", None)
+
+
+def pack_to_handle(frame: Frame) -> Callable[[torch.Tensor], Handle]:
+    """The forward's pack hook: note the tensor's metadata and maker, give autograd an empty handle."""
+
+    def pack(tensor: torch.Tensor) -> Handle:
+        handle = Handle()
+        # Weak: the graph owns the handle. Once backward frees the node that saved it, the handle
+        # dies, and the recomputation knows that this tensor is no longer needed.
+        frame.handles.append(weakref.ref(handle))
+        frame.metas.append(_Meta.of(tensor))
+        if frame.check:
+            frame.makers.append(made_by(tensor))
+        return handle
+
+    # The protocol of checkpoints whose backward re-runs the region and matches saved tensors by
+    # position: a gradient_checkpoint_scope opened inside the region sees this flag and does nothing
+    # (see NOTE [ A scope inside a checkpoint ] in ckpt_lab/scope.py). A copy of this file keeps it.
+    pack.recomputes_region = True  # type: ignore[attr-defined]
+    return pack
+
+
+# Ids for unpacks outside any backward (say, reading ``grad_fn._saved_self``); real ones are >= 0.
+_outside_backward = itertools.count(-2, -1)
+
+
+def _graph_task_id() -> int:
+    task = torch._C._current_graph_task_id()
+    # -1 means "not in a backward": such an unpack gets a recomputation of its own.
+    return task if task != -1 else next(_outside_backward)
+
+
+def unpack_from_handle(frame: Frame) -> Callable[[Handle], torch.Tensor]:
+    """The forward's unpack hook, called by backward: recompute once per backward, hand out once."""
+
+    def unpack(handle: Handle) -> torch.Tensor:
+        task = _graph_task_id()
+        # The first unpack of this backward fills every live handle at once: one re-run per backward.
+        if task not in frame.recomputed_for:
+            recompute(frame, task)
+            frame.recomputed_for.add(task)
+        if task not in handle.recomputed:
+            raise _unpacked_twice()
+        # Pop: from now on backward holds the only reference, and frees it once the node is done.
+        return handle.recomputed.pop(task)
+
+    unpack.frame = frame  # type: ignore[attr-defined]  # for frame_of
+    return unpack
+
+
+class _StopRecomputation(Exception):
+    """Raised inside the re-run once every tensor backward still needs has been recomputed."""
+
+
+class _Meta(NamedTuple):
+    """A saved tensor's shape, dtype and device: what torch's determinism check compares. (A tuple:
+    made once per saved tensor, twice per step, it must be cheap.)"""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _Meta:
+        return cls(tensor.shape, tensor.dtype, tensor.device)
+
+    def __str__(self) -> str:
+        return f"shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}"
+
+
+def made_by(tensor: torch.Tensor) -> str:
+    """The op that made ``tensor``, as autograd knows it: its ``grad_fn``'s class name (``SinBackward0``
+    for ``x.sin()``), ``"leaf"`` for a tensor that requires grad and has none, ``"no grad"`` else.
+
+    Free: the pack hook is handed the tensor anyway, and autograd has already set its ``grad_fn``
+    (for a tensor an op saves as its output, that op's own node). The name, not the class, so that
+    an ``autograd.Function`` defined inside the checkpointed function compares equal with itself.
+    """
+    grad_fn = tensor.grad_fn
+    if grad_fn is not None:
+        return type(grad_fn).__name__
+    return "leaf" if tensor.requires_grad else "no grad"
+
+
+def recompute(frame: Frame, task: int) -> None:
+    """Re-run the block, filling the still-alive handles for backward ``task``, by position."""
+    # Strong references for the length of the re-run; None where backward already freed the node.
+    handles = [ref() for ref in frame.handles]
+    # Everything after the last live handle is not needed by anyone: that is where we stop (early
+    # stop), unless the caller asked for the whole re-run.
+    last_needed = max(i for i, handle in enumerate(handles) if handle is not None)
+    stop_at = last_needed if frame.early_stop else None
+    position = itertools.count()
+    # torch's determinism check: note every live tensor whose metadata differs, raise at the end.
+    mismatches: list[tuple[int, _Meta, _Meta]] = []
+    # A backward inside the forward (and no early stop) re-runs more than the forward has saved yet.
+    beyond_forward = [False]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        index = next(position)
+        # Detached: the handle must keep the value alive, not the recomputed graph around it. A
+        # tensor that doesn't require grad has no graph: it is kept as it is, the same object.
+        value = tensor.detach() if tensor.requires_grad else tensor
+        if index >= len(frame.metas):
+            if not frame.forward_completed:
+                beyond_forward[0] = True
+                return value
+            raise _explained(frame, _more_saved(len(frame.metas)))
+        if handles[index] is not None:
+            recomputed = _Meta.of(tensor)
+            if frame.check and recomputed != frame.metas[index]:
+                mismatches.append((index, frame.metas[index], recomputed))
+            handles[index].recomputed[task] = value
+        # Another op made it: the re-run took another path. Stop at once, here, where it happened.
+        if frame.check and made_by(tensor) != frame.makers[index]:
+            other = _other_op(index, frame.makers[index], made_by(tensor), mismatches)
+            raise _explained(frame, other)
+        if index == stop_at:
+            raise _StopRecomputation
+        # The recomputed graph keeps its own saved tensors; it dies when the re-run returns.
+        return value
+
+    # The re-run is the region too: a scope opened in it must do nothing here either (a re-run
+    # outside backward, for ``grad_fn._saved_result``, is not inside backward).
+    pack.recomputes_region = True  # type: ignore[attr-defined]
+
+    # Unpack the inputs first: for a nested checkpoint this runs the enclosing one's re-run.
+    args, kwargs = frame.inputs()
+    try:
+        # Grad mode on (backward runs with it off), or the ops would save nothing for us to capture.
+        with (
+            frame.replay.replay(),
+            torch.enable_grad(),
+            _checkpoint_hooks(pack, lambda value: value),
+            frame.device_context,
+            frame.recompute_context,
+        ):
+            frame.function(*args, **kwargs)
+    except _StopRecomputation:
+        pass
+    else:
+        saved = next(position)
+        if saved < len(frame.metas) and not beyond_forward[0]:
+            raise _explained(frame, _count_mismatch(len(frame.metas), saved))
+    if mismatches:
+        raise _explained(frame, _metadata_mismatch(mismatches))
+
+
+# ============================================================================================
+# Behind the mechanism: torch's keywords, the errors, debug=True, torch 2.14's additions
+# ============================================================================================
+# None: each call's keyword decides; True/False: the context managers below override it.
+_early_stop_override: bool | None = None
+_debug_override: bool | None = None
+# torch's values for ``determinism_check``: compare (torch: shape, dtype, device; ours: and the op
+# that made each tensor); or compare nothing.
+_DETERMINISM_CHECKS = ("default", "none")
 
 
 @contextlib.contextmanager
@@ -190,6 +427,130 @@ def set_checkpoint_debug_enabled(enabled: bool | None) -> Iterator[None]:
         _debug_override = previous
 
 
+def check_use_reentrant(use_reentrant: Any, caller: str) -> None:
+    """Accept torch's ``use_reentrant=False``; refuse anything else, saying where the reentrant one is.
+
+    Without this parameter, a call written for torch (``checkpoint(f, x, use_reentrant=False)``)
+    would pass the keyword on to ``f``, and the ``TypeError`` would blame the user's function.
+    """
+    if use_reentrant is False:
+        return
+    if use_reentrant is None:
+        # torch's own default; in torch 2.13 it warns and then runs the reentrant variant.
+        asked = "use_reentrant=None (torch's default, which means the reentrant variant)"
+    else:
+        asked = f"use_reentrant={use_reentrant!r}"
+    raise ValueError(
+        f"{caller}: got {asked}, but ckpt_lab.{caller} is the non-reentrant checkpoint. Pass "
+        "use_reentrant=False or leave it out; for the reentrant variant call "
+        "ckpt_lab.reentrant_checkpoint(function, *args) instead."
+    )
+
+
+@dataclass
+class _Keywords:
+    """torch's keywords of one call, checked, with the global overrides applied."""
+
+    check: bool = True
+    early_stop: bool = True
+    debug_log: _DebugLog | None = None
+    context_fn: Callable[[], tuple[Any, Any]] | None = None
+    respect_saved_tensors_hooks: bool | None = None
+
+    @classmethod
+    def resolve(
+        cls,
+        caller: str,
+        function: Any,
+        *,
+        preserve_rng_state: bool,
+        context_fn: Callable[[], tuple[Any, Any]] | None,
+        determinism_check: str,
+        debug: bool,
+        early_stop: bool,
+        use_reentrant: Any,
+        respect_saved_tensors_hooks: bool | None,
+    ) -> _Keywords:
+        check_use_reentrant(use_reentrant, caller)
+        if not callable(function):
+            raise TypeError(
+                f"{caller}: the first argument must be the function to checkpoint, got "
+                f"{type(function).__name__}: call {caller}(function, *args), or "
+                f"{caller}(**keywords)(function)."
+            )
+        if determinism_check not in _DETERMINISM_CHECKS:
+            raise ValueError(
+                f"{caller}: determinism_check should be one of {list(_DETERMINISM_CHECKS)}, but got "
+                f'{determinism_check}. "default" compares shape, dtype and device of every recomputed '
+                'tensor with the forward\'s, and the op that made it; "none" compares nothing.'
+            )
+        debug = _debug_override if _debug_override is not None else debug
+        if (
+            determinism_check == "default" and not debug and context_fn is noop_context_fn
+            and respect_saved_tensors_hooks is None and _early_stop_override is None and early_stop
+        ):  # fmt: skip
+            return _DEFAULT_KEYWORDS  # the common call: nothing to build
+        keywords = cls(
+            check=determinism_check == "default",
+            early_stop=_early_stop_override if _early_stop_override is not None else early_stop,
+            context_fn=context_fn,
+            respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+        )
+        if debug:
+            if context_fn not in (None, noop_context_fn):
+                raise ValueError(
+                    f"{caller}: debug=True is incompatible with non-default context_fn. debug records "
+                    "the ops through a context of its own; drop one of the two."
+                )
+            keywords.debug_log = _DebugLog()
+            keywords.context_fn = keywords.debug_log.contexts
+        return keywords
+
+    def contexts(self) -> tuple[Any, Any]:
+        """``context_fn()``'s pair; its forward context learns ``respect_saved_tensors_hooks``."""
+        forward, recompute = self.context_fn() if self.context_fn else noop_context_fn()
+        # As torch 2.14 does for its selective mode: set after construction, where the mode has it
+        # (unless left at None: a value given to ``selective_checkpoint_contexts`` stands).
+        if self.respect_saved_tensors_hooks is not None and hasattr(forward, "respect_saved_tensors_hooks"):
+            forward.respect_saved_tensors_hooks = self.respect_saved_tensors_hooks
+        return forward, recompute
+
+
+# Shared by every call that passes no keyword of its own (never modified).
+_DEFAULT_KEYWORDS = _Keywords(context_fn=noop_context_fn)
+
+
+class _Configured:
+    """torch 2.14's configured form: ``checkpoint(**keywords)`` is a decorator, ``checkpoint(**keywords)(fn)``
+    a function that checkpoints ``fn`` on every call, and a method when it decorates one."""
+
+    def __init__(self, entry: Callable[..., Any], function: Callable[..., Any], keywords: dict) -> None:
+        self.entry, self.function, self.keywords = entry, function, keywords
+        functools.update_wrapper(self, function, updated=())
+
+    @classmethod
+    def decorator(cls, entry: Callable[..., Any], keywords: dict, extra: dict) -> Callable[..., Any]:
+        if extra:
+            # torch's sentence for keywords it does not know; checked now, not at the first call.
+            raise ValueError(
+                "Unexpected keyword arguments: " + ",".join(extra) + f". {entry.__name__}(**keywords) "
+                "configures a checkpoint, and takes only its keywords: pass the function's keyword "
+                "arguments in each call instead."
+            )
+        _Keywords.resolve(entry.__name__, len, **keywords)  # refuse bad keywords at once
+        return lambda function: cls(entry, function, keywords)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.entry(self.function, *args, **self.keywords, **kwargs)
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        # As a method decorator: bind the function to the instance, keep the keywords.
+        get = getattr(self.function, "__get__", None)
+        if instance is None or get is None:
+            return self
+        return type(self)(self.entry, get(instance, owner), self.keywords)
+
+
 def _device_context() -> contextlib.AbstractContextManager:
     """The innermost ``with torch.device(...)`` around the forward, to re-enter for the recomputation.
 
@@ -203,6 +564,157 @@ def _device_context() -> contextlib.AbstractContextManager:
     return modes[-1] if modes else contextlib.nullcontext()
 
 
+# NOTE [ Our hooks and the user's ]
+# torch 2.14 marks a checkpoint's own pack hooks ``_checkpoint_internal`` and, while they are on the
+# hooks stack, hangs on them the pair that was on top before (``_user_hooks``): so a selective
+# checkpoint's mode can find the *user's* hooks (``save_on_cpu``) under any number of checkpoints.
+# Ours follow the same protocol, so that torch 2.14's selective mode inside our checkpoint and ours
+# inside torch's find the same hooks. The attribute is cleared on exit: the graph keeps the pack
+# hook, and a lasting reference from it to the user's hooks could make a cycle the collector cannot
+# see (torch's reason too).
+def _checkpoint_hooks(pack: Callable[..., Any], unpack: Callable[..., Any]) -> saved_tensors_hooks:
+    """``saved_tensors_hooks(pack, unpack)``, marked as a checkpoint's own (the NOTE above)."""
+    pack._checkpoint_internal = True  # type: ignore[attr-defined]
+    user = user_saved_tensors_hooks()
+    if user is None:
+        # The common case costs two attributes: nothing to hang, nothing to take down.
+        pack._user_hooks = None  # type: ignore[attr-defined]
+        return saved_tensors_hooks(pack, unpack)
+    return _WithUserHooks(pack, unpack, user)
+
+
+class _WithUserHooks(saved_tensors_hooks):
+    """Our hooks over the user's: ``_user_hooks`` names them while ours are on the stack."""
+
+    def __init__(self, pack: Callable[..., Any], unpack: Callable[..., Any], user: tuple) -> None:
+        super().__init__(pack, unpack)
+        self.user = user
+
+    def __enter__(self) -> None:
+        self.pack_hook._user_hooks = self.user  # type: ignore[attr-defined]
+        super().__enter__()
+
+    def __exit__(self, *args: object) -> None:
+        self.pack_hook._user_hooks = None  # type: ignore[attr-defined]
+        super().__exit__(*args)
+
+
+def user_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The ``(pack, unpack)`` pair of the innermost user ``saved_tensors_hooks`` (``save_on_cpu``,
+    ``offload_to_cpu``), skipping checkpoints' own hooks; ``None`` if there is none.
+
+    torch 2.13's own checkpoint hooks don't say whose hooks they cover: below one, ``None``.
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
+        hooks = getattr(hooks[0], "_user_hooks", None)
+    if hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint":
+        return None
+    return hooks
+
+
+_ADVICE = (
+    "The checkpointed function must save the same tensors when backward re-runs it: don't branch on "
+    "Python state that changes between calls (counters, flags, the step number, Python's random), "
+    "keep preserve_rng_state=True if it draws random numbers, and don't modify its inputs in place. "
+    "If it cannot be made deterministic, don't checkpoint it."
+)
+_DEBUG_TIP = (
+    "To see the ops of the forward and of the recomputation side by side, pass debug=True to "
+    "ckpt_lab.checkpoint or wrap the call in `with ckpt_lab.set_checkpoint_debug_enabled(True):`."
+)
+
+
+def _unpacked_twice() -> CheckpointError:
+    return CheckpointError(
+        "checkpoint: Unpack is being triggered for a tensor that was already unpacked once. If you are "
+        "calling ctx.saved_tensors in backward, make sure to do so only once. A recomputed tensor is "
+        "handed out once per backward and then forgotten, so that backward can free it: read "
+        "ctx.saved_tensors once, into a variable."
+    )
+
+
+def _more_saved(forward: int) -> CheckpointError:
+    return CheckpointError(
+        "checkpoint: trying to save more tensors during recomputation than during the original "
+        f"forward pass. The forward saved {forward} tensors for backward; the recomputation went on to "
+        f"save one more. {_ADVICE}\n{_DEBUG_TIP}"
+    )
+
+
+def _count_mismatch(forward: int, recomputed: int) -> CheckpointError:
+    return CheckpointError(
+        "checkpoint: A different number of tensors was saved during the original forward and "
+        f"recomputation.\nNumber of tensors saved during forward: {forward}\nNumber of tensors saved "
+        f"during recomputation: {recomputed}.\nThe recomputation returned before saving every tensor "
+        f"backward needs. {_ADVICE}\n{_DEBUG_TIP}"
+    )
+
+
+def _metadata_mismatch(mismatches: list[tuple[int, _Meta, _Meta]], then: str = "") -> CheckpointError:
+    tensors = "".join(
+        f"tensor at position {index}: saved metadata: {saved}; recomputed metadata: {recomputed}\n"
+        for index, saved, recomputed in mismatches
+    )
+    return CheckpointError(
+        "checkpoint: Recomputed values for the following tensors have different metadata than during "
+        f"the forward pass.\n{tensors}{then}Backward would compute wrong gradients with these tensors. "
+        f"{_ADVICE}\n{_DEBUG_TIP}"
+    )
+
+
+def _other_op(
+    index: int, forward: str, rerun: str, mismatches: list[tuple[int, _Meta, _Meta]]
+) -> CheckpointError:
+    """Ours (torch has no such check): the same position was saved by another op in the re-run."""
+    where = _user_line()
+    differs = (
+        f"saved tensor {index} was made by {_op_name(forward)} in the forward and by "
+        f"{_op_name(rerun)} in the re-run, at {where}."
+    )
+    if mismatches:
+        # torch's error for the metadata comes first; the op says where the paths parted.
+        return _metadata_mismatch(mismatches, then=f"The re-run took another path: {differs}\n")
+    return CheckpointError(
+        f"checkpoint: the recomputation took another path than the forward: {differs} Shapes, dtypes "
+        f"and devices agree, so torch's determinism check would let it through, with wrong "
+        f"gradients. {_ADVICE}\n{_DEBUG_TIP}"
+    )
+
+
+def _op_name(maker: str) -> str:
+    """``SinBackward0`` -> ``aten.sin``, where an aten op of that name exists; else the node's name."""
+    if maker in ("leaf", "no grad"):
+        return f"no op (a {'leaf that requires grad' if maker == 'leaf' else 'tensor without grad'})"
+    stem = maker.removesuffix("Backward").rstrip("0123456789").removesuffix("Backward")
+    snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in stem).lstrip("_")
+    # Private aten ops lose their leading underscore in the node's name (_to_copy: ToCopyBackward0).
+    found = [name for name in (snake, f"_{snake}") if hasattr(torch.ops.aten, name)]
+    return f"aten.{found[0]}" if found else f"the op behind {maker}"
+
+
+# The files whose frames are checkpointing machinery: the user's line is the innermost frame elsewhere.
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_MACHINERY = {
+    os.path.join(os.path.dirname(__file__), name)
+    for name in ("nonreentrant.py", "selective.py", "reentrant.py", "rng.py", "_eager.py", "sequential.py")
+}
+
+
+def _user_line() -> str:
+    """``file:line in function`` of the innermost frame of the user's code (not torch, not ours)."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_TORCH_DIR) and filename not in _MACHINERY:
+            # A Jupyter cell's file is a temporary name (ipykernel_<pid>/<hash>.py): say what it is.
+            where = "a notebook cell" if "ipykernel_" in filename else os.path.basename(filename)
+            return f"{where}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+# -------------------------------------------------------------------------------------- debug=True
 class _OpRecorder(TorchDispatchMode):
     """Records each aten op that runs (but ``detach``, which checkpointing adds itself) and the line of
     user code that ran it: the innermost frame outside torch and this file."""
@@ -217,14 +729,11 @@ class _OpRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-
-
-def _user_line() -> str:
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if not frame.filename.startswith(_TORCH_DIR) and frame.filename != __file__:
-            return f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}"
-    return "?"
+# torch's sentence for an error under debug=True (the error template in torch/utils/checkpoint.py).
+_DEBUG_SENTENCE = (
+    "You are seeing this error because you passed `debug=True` to checkpoint and tensors to be saved "
+    "during the original forward and differ between those saved during recomputation."
+)
 
 
 class _DebugLog:
@@ -256,12 +765,11 @@ class _DebugLog:
             lines.append(f"{i:>4}  {left:<{width}}  {right}{mark}")
         header = f"{'#':>4}  {'forward':<{width}}  recomputation"
         return CheckpointError(
+            f"{_DEBUG_SENTENCE} (set_checkpoint_debug_enabled(True) counts as passing it.)\n"
             f"{str(error).replace(_DEBUG_TIP, '').rstrip()}\n\n"
-            "You are seeing this error because you passed `debug=True` to checkpoint (or "
-            "enabled set_checkpoint_debug_enabled). The aten ops that ran in the original forward and in "
-            "the recomputation, side by side (detach left out: checkpointing adds those itself; the "
-            "recomputation may end early, where it had recomputed everything backward needs):\n"
-            + "\n".join([header, *lines])
+            "The aten ops that ran in the original forward and in the recomputation, side by side "
+            "(detach left out: checkpointing adds those itself; the recomputation may end early, "
+            "where it had recomputed everything backward needs):\n" + "\n".join([header, *lines])
         )
 
 
@@ -281,257 +789,11 @@ class _Reusable:
         return self.active.pop().__exit__(*exc)
 
 
-def check_use_reentrant(use_reentrant: Any, caller: str) -> None:
-    """Accept torch's ``use_reentrant=False``; refuse anything else, saying where the reentrant one is.
-
-    Without this parameter, a call written for torch (``checkpoint(f, x, use_reentrant=False)``)
-    would pass the keyword on to ``f``, and the ``TypeError`` would blame the user's function.
-    """
-    if use_reentrant is False:
-        return
-    if use_reentrant is None:
-        # torch's own default; in torch 2.13 it warns and then runs the reentrant variant.
-        asked = "use_reentrant=None (torch's default, which means the reentrant variant)"
-    else:
-        asked = f"use_reentrant={use_reentrant!r}"
-    raise ValueError(
-        f"{caller}: got {asked}, but ckpt_lab.{caller} is the non-reentrant checkpoint. Pass "
-        "use_reentrant=False or leave it out; for the reentrant variant call "
-        "ckpt_lab.reentrant_checkpoint(function, *args) instead."
-    )
-
-
-class _StopRecomputation(Exception):
-    """Raised inside the re-run once every tensor backward still needs has been recomputed."""
-
-
-@dataclass(frozen=True)
-class _Meta:
-    """What the frame remembers of a saved tensor: enough to notice a re-run that went another way."""
-
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> _Meta:
-        return cls(tensor.shape, tensor.dtype, tensor.device)
-
-    def __str__(self) -> str:
-        return f"shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}"
-
-
-class _Handle:
-    """What the graph stores instead of a saved tensor: a box that a recomputation fills, with one
-    tensor per backward (graph task id) that needs it."""
-
-    def __init__(self) -> None:
-        self.recomputed: dict[int, torch.Tensor] = {}
-
-
-class _SaveInputs(torch.autograd.Function):
-    """A node that does nothing but keep the block's input tensors as autograd *saved tensors*."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(*tensors)
-        return torch.empty(0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
-        # Never called: nothing ever uses this node's output.
-        return (None,) * len(ctx.needs_input_grad)
-
-
-# Stands in the frame's argument list for each tensor, which lives in the ``_SaveInputs`` node.
-_TENSOR = object()
-
-
-class _Frame:
-    """Everything one checkpointed call keeps between its forward and its backward(s)."""
-
-    def __init__(
-        self,
-        function: Callable[..., Any],
-        args: tuple,
-        kwargs: dict,
-        replay: ReplayState,
-        recompute_context: contextlib.AbstractContextManager | None = None,
-    ) -> None:
-        self.function = function
-        self.replay = replay
-        # Entered around every re-run; selective checkpointing (notebook 05) serves saved ops from it.
-        self.recompute_context = recompute_context or contextlib.nullcontext()
-        # Flatten args and kwargs together, so tensors inside lists or dicts are saved like the rest.
-        leaves, self.spec = tree_flatten((args, kwargs))
-        self.leaves = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        # Saving the inputs through autograd rather than in a list does two things: an enclosing
-        # checkpoint's pack hook sees them (so a nested checkpoint's inputs, which are the outer one's
-        # activations, are dropped and recomputed by the outer one), and autograd's version counter
-        # catches an input modified in place before backward. The anchor requires grad so that the
-        # node is recorded even when no input does.
-        self.saver = _SaveInputs.apply(torch.empty(0, requires_grad=True), *tensors)
-        self.handles: list[weakref.ref[_Handle]] = []
-        self.metas: list[_Meta] = []
-        # Graph tasks (backward calls) that have already had their recomputation.
-        self.recomputed_for: set[int] = set()
-        # The keywords of ``checkpoint`` (set there after construction).
-        self.check_metadata = True
-        self.early_stop = True
-        self.debug_log: _DebugLog | None = None
-        self.device_context: contextlib.AbstractContextManager = contextlib.nullcontext()
-        # False while the forward runs: a backward inside it may re-run more than was saved so far.
-        self.forward_completed = False
-
-    def inputs(self) -> tuple[tuple, dict]:
-        """The block's ``(args, kwargs)`` again; unpacking may trigger an enclosing checkpoint's re-run."""
-        tensors = iter(self.saver.grad_fn.saved_tensors)
-        leaves = [next(tensors) if leaf is _TENSOR else leaf for leaf in self.leaves]
-        return tree_unflatten(leaves, self.spec)
-
-
-def _pack_to_handle(frame: _Frame) -> Callable[[torch.Tensor], _Handle]:
-    """The forward's pack hook: note the tensor's metadata, give autograd an empty handle instead."""
-
-    def pack(tensor: torch.Tensor) -> _Handle:
-        handle = _Handle()
-        # Weak: the graph owns the handle. Once backward frees the node that saved it, the handle
-        # dies, and the recomputation knows that this tensor is no longer needed.
-        frame.handles.append(weakref.ref(handle))
-        frame.metas.append(_Meta.of(tensor))
-        return handle
-
-    # The protocol of checkpoints whose backward re-runs the region and matches saved tensors by
-    # position: a gradient_checkpoint_scope opened inside the region sees this flag and does nothing
-    # (see NOTE [ A scope inside a checkpoint ] in ckpt_lab/scope.py). A copy of this file keeps it.
-    pack.recomputes_region = True  # type: ignore[attr-defined]
-    return pack
-
-
-# Ids for unpacks outside any backward (say, reading ``grad_fn._saved_self``); real ones are >= 0.
-_outside_backward = itertools.count(-2, -1)
-
-
-def _graph_task_id() -> int:
-    task = torch._C._current_graph_task_id()
-    # -1 means "not in a backward": such an unpack gets a recomputation of its own.
-    return task if task != -1 else next(_outside_backward)
-
-
-def _unpack_from_handle(frame: _Frame) -> Callable[[_Handle], torch.Tensor]:
-    """The forward's unpack hook, called by backward: recompute once per backward, hand out once."""
-
-    def unpack(handle: _Handle) -> torch.Tensor:
-        task = _graph_task_id()
-        # The first unpack of this backward fills every live handle at once: one re-run per backward.
-        if task not in frame.recomputed_for:
-            _recompute(frame, task)
-            frame.recomputed_for.add(task)
-        if task not in handle.recomputed:
-            raise CheckpointError(
-                "checkpoint: Unpack is being triggered for a tensor that was already unpacked once. If "
-                "you are calling ctx.saved_tensors in backward, make sure to do so only once. (Backward "
-                "unpacked the same saved tensor twice: a recomputed tensor is handed out once per "
-                "backward and then forgotten, so that it can be freed; if a custom autograd.Function "
-                "reads ctx.saved_tensors more than once, read it once into a variable.)"
-            )
-        # Pop: from now on backward holds the only reference, and frees it once the node is done.
-        return handle.recomputed.pop(task)
-
-    return unpack
-
-
-def _explained(frame: _Frame, error: CheckpointError) -> CheckpointError:
+def _explained(frame: Frame, error: CheckpointError) -> CheckpointError:
     """The error, with the op logs of forward and recomputation side by side if ``debug=True``."""
     return error if frame.debug_log is None else frame.debug_log.explain(error)
 
 
-def _metadata_mismatch(mismatches: list[tuple[int, _Meta, _Meta]]) -> CheckpointError:
-    """torch's error for recomputed tensors whose shape, dtype or device is not the forward's."""
-    tensors = "".join(
-        f"tensor at position {index}: saved metadata: {saved}; recomputed metadata: {recomputed}\n"
-        for index, saved, recomputed in mismatches
-    )
-    return CheckpointError(
-        "checkpoint: Recomputed values for the following tensors have different metadata than during "
-        f"the forward pass.\n{tensors}The recomputation is not the forward: backward would compute "
-        f"wrong gradients with these tensors. {_ADVICE}\n{_DEBUG_TIP}"
-    )
-
-
-def _count_mismatch(forward: int, recomputed: int) -> CheckpointError:
-    """torch's error for a recomputation that saved fewer tensors than the forward."""
-    return CheckpointError(
-        "checkpoint: A different number of tensors was saved during the original forward and "
-        f"recomputation.\nNumber of tensors saved during forward: {forward}\nNumber of tensors saved "
-        f"during recomputation: {recomputed}.\nThe recomputation is not the forward: it returned before "
-        f"saving every tensor backward needs. {_ADVICE}\n{_DEBUG_TIP}"
-    )
-
-
-def _recompute(frame: _Frame, task: int) -> None:
-    """Re-run the block, filling the still-alive handles for backward ``task``, by position."""
-    # Strong references for the length of the re-run; None where backward already freed the node.
-    handles = [ref() for ref in frame.handles]
-    # Everything after the last live handle is not needed by anyone: that is where we stop (early
-    # stop), unless the caller asked for the whole re-run.
-    last_needed = max(i for i, handle in enumerate(handles) if handle is not None)
-    stop_at = last_needed if frame.early_stop else None
-    position = itertools.count()
-    # The determinism check, as torch's: note every live tensor whose metadata differs, raise at the end.
-    mismatches: list[tuple[int, _Meta, _Meta]] = []
-    # A backward inside the forward (and no early stop) re-runs more than the forward has saved yet.
-    beyond_forward = [False]
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        index = next(position)
-        # Detached: the handle must keep the value alive, not the recomputed graph around it. A
-        # tensor that doesn't require grad has no graph: it is kept as it is, the same object.
-        value = tensor.detach() if tensor.requires_grad else tensor
-        if index >= len(frame.metas):
-            if not frame.forward_completed:
-                beyond_forward[0] = True
-                return value
-            raise _explained(
-                frame,
-                CheckpointError(
-                    "checkpoint: trying to save more tensors during recomputation than during the original "
-                    f"forward pass. The forward saved {len(frame.metas)} tensors for backward; the "
-                    f"recomputation went on to save one more. {_ADVICE}\n{_DEBUG_TIP}"
-                ),
-            )
-        if handles[index] is not None:
-            recomputed = _Meta.of(tensor)
-            if frame.check_metadata and recomputed != frame.metas[index]:
-                mismatches.append((index, frame.metas[index], recomputed))
-            handles[index].recomputed[task] = value
-        if index == stop_at:
-            raise _StopRecomputation
-        # The recomputed graph keeps its own saved tensors; it dies when the re-run returns.
-        return value
-
-    # The re-run is the region too: a scope opened in it must do nothing here either (a re-run
-    # outside backward, for ``grad_fn._saved_result``, is not inside backward).
-    pack.recomputes_region = True  # type: ignore[attr-defined]
-
-    # Unpack the inputs first: for a nested checkpoint this runs the enclosing one's re-run.
-    args, kwargs = frame.inputs()
-    try:
-        # Grad mode on (backward runs with it off), or the ops would save nothing for us to capture.
-        with (
-            frame.replay.replay(),
-            torch.enable_grad(),
-            saved_tensors_hooks(pack, lambda value: value),
-            frame.device_context,
-            frame.recompute_context,
-        ):
-            frame.function(*args, **kwargs)
-    except _StopRecomputation:
-        pass
-    else:
-        saved = next(position)
-        if saved < len(frame.metas) and not beyond_forward[0]:
-            raise _explained(frame, _count_mismatch(len(frame.metas), saved))
-    if mismatches:
-        raise _explained(frame, _metadata_mismatch(mismatches))
+# The names these had before they were public (a copy of older code may still use them).
+_Frame, _Handle = Frame, Handle
+_pack_to_handle, _unpack_from_handle, _recompute = pack_to_handle, unpack_from_handle, recompute

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import DefaultDeviceType
 
 __all__ = [
     "AutocastState",
@@ -136,7 +137,7 @@ class ReplayState:
         """Snapshot at forward time; ``args`` name the accelerator devices whose RNG matters."""
         devices = tuple(tensor_devices(*args))
         rng = RNGState.capture(devices) if preserve_rng_state else None
-        autocast = AutocastState.capture(d.type for d in devices)
+        autocast = AutocastState.capture(autocast_device_types(devices))
         return cls(rng=rng, autocast=autocast, devices=devices)
 
     @contextlib.contextmanager
@@ -299,3 +300,20 @@ def seeded_states(device_type: str) -> tuple[tuple[torch.device, torch.Tensor], 
         seeded.manual_seed(generator.initial_seed())
         states.append((device, seeded.get_state()))
     return tuple(states)
+
+
+# ------------------------------------------------------------- whose autocast state a checkpoint records
+def autocast_device_types(devices: Iterable[torch.device]) -> list[str]:
+    """The device types whose autocast state ``ReplayState`` records (the CPU's always, besides).
+
+    torch's rule (``_infer_device_type`` in torch/utils/checkpoint.py): the types of the tensor
+    arguments' devices; when every tensor argument is on the CPU, the *default* device type,
+    ``torch.utils.checkpoint.DefaultDeviceType.get_device_type()`` -- the current accelerator's type
+    ("cuda" on a CUDA machine, "cpu" on a machine without one), or what
+    ``DefaultDeviceType.set_device_type`` set. So a GPU block called with CPU tensors inside
+    ``torch.autocast("cuda")`` recomputes under it too. Where ours differs: with arguments on several
+    device types torch records one (cuda first, else the first it meets, with a warning), ours
+    records all. As in torch, the default device's *RNG* state is not recorded for CPU arguments.
+    """
+    types = [device.type for device in devices]
+    return types or [DefaultDeviceType.get_device_type()]

@@ -4,11 +4,12 @@ Introduced in notebook 05. Same idea as ``torch.utils.checkpoint.checkpoint(fn, 
 use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy))``, built on
 this project's non-reentrant checkpoint (notebook 03b) and two ``TorchDispatchMode``s:
 
-* **forward** (``_SaveMode``): every aten op runs as usual; then the policy is asked about it, and if
+* **forward** (``SaveMode``): every aten op runs as usual; then the policy is asked about it, and if
   it says *save*, a detached alias of the op's output goes into the frame's cache. The cache is the
   only extra memory: autograd's own saved tensors are still handles (notebook 03b).
-* **recomputation** (``_ServeMode``): the function runs again, op by op. An op whose output is in the
-  cache is *not run*: the cached tensor comes back instead. Every other op runs.
+* **recomputation** (``ServeMode``): the function runs again, op by op, each checked against the
+  forward's op at the same position. An op whose output is in the cache is *not run*: the cached
+  tensor comes back instead. Every other op runs.
 
 The policy has torch's signature, ``policy(ctx, op, *args, **kwargs)``, and may answer with torch's
 ``CheckpointPolicy``, a ``bool`` (``True`` = save) or a list of ops to save, so one policy drives
@@ -23,8 +24,10 @@ them would change what the re-run computes:
   and gives silently wrong gradients for a function that saves one random op and recomputes a later
   one (shown in notebook 05, tested in ``tests/test_selective.py``).
 
-A fourth kind, autocast's casts of weights, runs again *and* is left out of the check that the
-recomputation runs the forward's ops: see NOTE [ Autocast's weight casts ].
+Behind the banner: what a policy may answer and the errors for what it may not; autocast's weight
+casts, which run again *and* are left out of the op-by-op check (NOTE [ Autocast's weight casts ]);
+``strict=True``; enclosing ``saved_tensors_hooks`` (``respect_saved_tensors_hooks``, torch 2.14's
+keyword); the ``torch.compile`` fallback.
 
 Two cases where torch's SAC raises, ours by default recomputes (correct gradients, at the cost of
 the op's FLOPs once more): a cached output modified in place after it was cached ("has been
@@ -50,7 +53,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 from ckpt_lab._aten import is_view, tensors_in
 from ckpt_lab._eager import run_eagerly
 from ckpt_lab.errors import CheckpointError
-from ckpt_lab.nonreentrant import check_use_reentrant, checkpoint
+from ckpt_lab.nonreentrant import _user_line, check_use_reentrant, checkpoint, user_saved_tensors_hooks
 
 __all__ = [
     "RECOMPUTE",
@@ -60,6 +63,8 @@ __all__ = [
     "OpListError",
     "Policy",
     "PolicyError",
+    "SaveMode",
+    "ServeMode",
     "is_autocast_weight_cast",
     "is_view",
     "must_rerun",
@@ -94,6 +99,249 @@ class OpContext:
 Policy = Callable[..., Decision | CheckpointPolicy | bool]
 
 
+def selective_checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    policy: Policy | Sequence[torch._ops.OpOverload],
+    preserve_rng_state: bool = True,
+    use_reentrant: bool = False,
+    strict: bool = False,
+    respect_saved_tensors_hooks: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``ckpt_lab.checkpoint(function, *args, **kwargs)`` that keeps the outputs ``policy`` saves.
+
+    ``policy(ctx, op, *args, **kwargs)`` is asked once per aten op in the forward and answers SAVE or
+    RECOMPUTE (or a torch ``CheckpointPolicy``, or a bool); a list of ops means "save these".
+    Backward re-runs the function, serving saved outputs instead of running their ops, each once:
+    like torch's SAC, a served output is freed as soon as backward has used it. Unlike torch's SAC,
+    backward may run more than once (``retain_graph=True``): later backwards recompute those ops.
+    A cached output that an in-place op modified after it was cached is dropped, and its op runs
+    again. ``strict=True`` is torch's behaviour instead: both cases raise (see the module docstring).
+
+    Enclosing ``saved_tensors_hooks`` (``torch.autograd.graph.save_on_cpu``,
+    ``ckpt_lab.offload.offload_to_cpu``): the tensors autograd saves are the checkpoint's handles,
+    and the block's inputs go through the enclosing hooks as always. The outputs the policy saves
+    live in the checkpoint's cache, outside autograd: with ``respect_saved_tensors_hooks=None`` (the
+    default) or ``False`` they bypass the hooks (they stay where they are, as torch's SAC keeps
+    them through 2.14); with ``True`` each goes through the hooks' pack when cached and their unpack
+    when served, as torch 2.14 does with ``True``. Unlike torch 2.14, ``None`` does not warn: ours
+    keeps this default.
+
+    ``use_reentrant`` is accepted as in torch's call (where SAC needs ``use_reentrant=False``), so
+    this drops in for it; any other value is refused, and is never passed on to ``function``; nor
+    are ``policy``, ``strict`` and ``respect_saved_tensors_hooks``.
+    """
+    if torch.compiler.is_compiling():
+        # NOTE [ Checkpoints under torch.compile ] (ckpt_lab.compiled): a graph break, then eager.
+        return run_eagerly(
+            selective_checkpoint, function, *args, policy=policy, preserve_rng_state=preserve_rng_state,
+            use_reentrant=use_reentrant, strict=strict,
+            respect_saved_tensors_hooks=respect_saved_tensors_hooks, **kwargs,
+        )  # fmt: skip
+    check_use_reentrant(use_reentrant, "selective_checkpoint")
+    contexts = selective_checkpoint_contexts(
+        policy, strict=strict, respect_saved_tensors_hooks=respect_saved_tensors_hooks
+    )
+    return checkpoint(
+        function, *args, preserve_rng_state=preserve_rng_state, context_fn=lambda: contexts, **kwargs
+    )
+
+
+def selective_checkpoint_contexts(
+    policy: Policy | Sequence[torch._ops.OpOverload],
+    *,
+    strict: bool = False,
+    respect_saved_tensors_hooks: bool | None = None,
+) -> tuple[SaveMode, ServeMode]:
+    """The two contexts of a selective checkpoint: ``(forward, recomputation)``, one call's worth.
+
+    ``functools.partial(selective_checkpoint_contexts, policy)`` is a ``context_fn`` for
+    ``ckpt_lab.checkpoint`` (or torch's non-reentrant checkpoint): ``checkpoint(f, x,
+    context_fn=partial(selective_checkpoint_contexts, policy))`` is ``selective_checkpoint(f, x,
+    policy=policy)``. Our counterpart of torch's ``create_selective_checkpoint_contexts``: the
+    policy is the same; ``strict=True`` is torch's default behaviour (``allow_cache_entry_mutation=False``),
+    ``strict=False`` ours (see the module docstring). ``respect_saved_tensors_hooks``: see
+    ``selective_checkpoint``; a checkpoint's own keyword of that name, when not ``None``, overrides it
+    (torch 2.14 sets it on the forward context the same way).
+    """
+    chosen = save_ops(policy) if isinstance(policy, (list, tuple)) else policy
+    if not callable(chosen):
+        raise TypeError(
+            "selective_checkpoint: policy_fn_or_list must be either a function or a list of ops. "
+            f"Got {policy!r}."
+        )
+    cache = _Cache(chosen, strict=strict)
+    save = SaveMode(cache)
+    save.respect_saved_tensors_hooks = respect_saved_tensors_hooks
+    return save, ServeMode(cache)
+
+
+def save_ops(ops: Sequence[torch._ops.OpOverload]) -> Policy:
+    """The policy "save the outputs of these ops, recompute the rest" (torch accepts the bare list)."""
+    wanted = set(_checked_ops(ops))
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return SAVE if op in wanted else RECOMPUTE
+
+    return policy
+
+
+def must_rerun(op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> bool:
+    """True for ops a recomputation must run again whatever the policy says: in-place, view, random.
+
+    (And ops that return no tensor: there is nothing to keep; and autocast's weight casts, see
+    NOTE [ Autocast's weight casts ].)
+    """
+    if op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags:
+        return True
+    return not tensors_in(out) or is_view(op, args, kwargs, out) or is_autocast_weight_cast(op, args, kwargs)
+
+
+class SaveMode(TorchDispatchMode):
+    """Forward: run each op, ask the policy, keep the outputs it wants saved."""
+
+    def __init__(self, cache: _Cache) -> None:
+        super().__init__()
+        self.cache = cache
+        # Whether a saved output goes through the enclosing saved_tensors_hooks (torch 2.14's keyword).
+        self.respect_saved_tensors_hooks: bool | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # The same ops torch leaves out (detach, metadata queries): they differ between runs.
+        if func in SAC_IGNORED_OPS:
+            return out
+        index = len(self.cache.ops)
+        self.cache.ops.append(func)
+        if not is_autocast_weight_cast(func, args, kwargs):
+            self.cache.replayed.append(index)
+        decision = _ask(self.cache.policy, index, out, func, args, kwargs)
+        if decision is SAVE and not must_rerun(func, args, kwargs, out):
+            hooks = user_saved_tensors_hooks() if self.respect_saved_tensors_hooks else None
+            # Detached aliases sharing the output's version counter: an in-place op on a cached
+            # tensor would change what backward gets back, so serving it later must notice.
+            self.cache.entries[index] = _Entry.of(out, hooks)
+        return out
+
+    def __exit__(self, *args: Any) -> Any:
+        # An output that a later op modified in place (``empty_like`` filled by ``bernoulli_``) can't
+        # be served; drop it now rather than keep its memory until backward. (Strict mode keeps it,
+        # to raise when backward wants it, as torch does.)
+        if not self.cache.strict:
+            self.cache.entries = {i: e for i, e in self.cache.entries.items() if not e.modified}
+        return super().__exit__(*args)
+
+
+@dataclass
+class _Entry:
+    """One cached op output: its leaves (tensors detached, or packed by the user's hooks) and the
+    versions of the tensors among them when cached."""
+
+    leaves: list[Any]
+    spec: Any
+    versions: list[int]
+    # The enclosing hooks' unpack, for the leaves at ``packed`` (``respect_saved_tensors_hooks``).
+    unpack: Callable[[Any], torch.Tensor] | None = None
+    packed: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, out: Any, hooks: tuple[Callable[..., Any], Callable[..., Any]] | None) -> _Entry:
+        leaves, spec = tree_flatten(out)
+        leaves = [_alias(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        packed: frozenset[int] = frozenset()
+        if hooks is not None:
+            packed = frozenset(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+            leaves = [hooks[0](leaf) if i in packed else leaf for i, leaf in enumerate(leaves)]
+        entry = cls(leaves, spec, versions=[], unpack=hooks[1] if hooks else None, packed=packed)
+        # What the hooks packed is checked only where it is still a tensor (torch does the same).
+        entry.versions = [t._version for t in entry.tensors]
+        return entry
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [leaf for leaf in self.leaves if isinstance(leaf, torch.Tensor)]
+
+    @property
+    def modified(self) -> bool:
+        """Has an in-place op changed a cached tensor since it was cached?"""
+        return any(t._version != v for t, v in zip(self.tensors, self.versions, strict=False))
+
+    def output(self) -> Any:
+        """The op's output again, as fresh aliases: autograd attaches the re-run's history to them."""
+        leaves = [self.unpack(leaf) if i in self.packed else leaf for i, leaf in enumerate(self.leaves)]
+        return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in leaves], self.spec)
+
+
+@dataclass
+class _Cache:
+    """What the forward left for the recomputations of one checkpointed call."""
+
+    policy: Policy
+    # The op at each position (the policy's ``ctx.index``).
+    ops: list[Any] = field(default_factory=list)
+    # The positions a recomputation must meet again, in order: all but autocast's weight casts (NOTE
+    # [ Autocast's weight casts ]). The re-run is checked against them and served by them.
+    replayed: list[int] = field(default_factory=list)
+    entries: dict[int, _Entry] = field(default_factory=dict)
+    # torch's behaviour (``strict=True``): a modified entry or a second recomputation raises.
+    strict: bool = False
+    # Positions served already (strict mode only needs them: a second recomputation meets one again).
+    served: set[int] = field(default_factory=set)
+
+
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached alias that shares ``tensor``'s version counter, made below autograd.
+
+    Inside ``__torch_dispatch__`` the ADInplaceOrView key is excluded, and a plain ``detach()``
+    there gives the alias a version counter of its own: it would never see a later in-place op on
+    the output. Re-enabling the key makes ``detach`` share the counter (torch's ``_detach_helper``
+    does the same).
+    """
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return tensor.detach()
+
+
+class ServeMode(TorchDispatchMode):
+    """Recomputation: run each op again, except those whose output the forward cached."""
+
+    def __init__(self, cache: _Cache) -> None:
+        super().__init__()
+        self.cache = cache
+        self.position = itertools.count()
+
+    def __enter__(self) -> ServeMode:
+        # Every recomputation (one per backward) starts again at op 0.
+        self.position = itertools.count()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        # Whether autocast runs one of its weight casts depends on its cache, not on the function:
+        # see NOTE [ Autocast's weight casts ].
+        if func in SAC_IGNORED_OPS or is_autocast_weight_cast(func, args, kwargs):
+            return func(*args, **kwargs)
+        step = next(self.position)
+        # The op's position as the policy saw it in the forward; None once the re-run outruns it.
+        index = self.cache.replayed[step] if step < len(self.cache.replayed) else None
+        if index is None or func is not self.cache.ops[index]:
+            raise _not_the_forward(self.cache, index, func)
+        # Served once: from here on backward holds the only reference and frees it after use, as it
+        # frees any recomputed tensor. A second backward (retain_graph=True) finds no entry and runs
+        # the op again, which is always correct -- it just costs that op's FLOPs once more.
+        entry = self.cache.entries.pop(index, None)
+        if self.cache.strict:
+            _check_strict(self.cache, index, entry)
+        # Not saved (or served already), or modified in place since (no longer the op's output).
+        if entry is None or entry.modified:
+            return func(*args, **kwargs)
+        return entry.output()
+
+
+# ============================================================================================
+# Behind the mechanism: policy answers, autocast's casts, strict=True, torch's messages
+# ============================================================================================
 class OpListError(TypeError, ValueError):
     """A policy given as a list holds something that is not one aten op overload.
 
@@ -110,80 +358,13 @@ class PolicyError(RuntimeError):
 
 
 # NOTE [ Errors raised inside an operator ]
-# The policy is called from inside an aten op (``_SaveMode.__torch_dispatch__``). When the function
+# The policy is called from inside an aten op (``SaveMode.__torch_dispatch__``). When the function
 # wrote that op as a Python operator -- ``t * 2.0``, ``2.0 * t``, ``t + t`` -- torch's operator
 # wrapper (``_handle_torch_function_and_wrap_type_error_to_not_implemented`` in torch/_tensor.py)
 # catches any ``TypeError`` and returns ``NotImplemented``; Python then tries the reflected operator
 # and reports "unsupported operand type(s) for *: 'Tensor' and 'float'", which says nothing about
 # the policy. So an error about the policy must not be a ``TypeError``: ``PolicyError`` is a
 # ``RuntimeError``, and a ``TypeError`` the policy itself raises is re-raised as one (its cause).
-
-
-def selective_checkpoint(
-    function: Callable[..., Any],
-    *args: Any,
-    policy: Policy | Sequence[torch._ops.OpOverload],
-    preserve_rng_state: bool = True,
-    use_reentrant: bool = False,
-    strict: bool = False,
-    **kwargs: Any,
-) -> Any:
-    """``ckpt_lab.checkpoint(function, *args, **kwargs)`` that keeps the outputs ``policy`` saves.
-
-    ``policy(ctx, op, *args, **kwargs)`` is asked once per aten op in the forward and answers SAVE or
-    RECOMPUTE (or a torch ``CheckpointPolicy``, or a bool); a list of ops means "save these".
-    Backward re-runs the function, serving saved outputs instead of running their ops, each once:
-    like torch's SAC, a served output is freed as soon as backward has used it. Unlike torch's SAC,
-    backward may run more than once (``retain_graph=True``): later backwards recompute those ops.
-    A cached output that an in-place op modified after it was cached is dropped, and its op runs
-    again. ``strict=True`` is torch's behaviour instead: both cases raise (see the module docstring).
-    ``use_reentrant`` is accepted as in torch's call (where SAC needs ``use_reentrant=False``), so
-    this drops in for it; any other value is refused, and is never passed on to ``function``; nor
-    are ``policy`` and ``strict``.
-    """
-    if torch.compiler.is_compiling():
-        # NOTE [ Checkpoints under torch.compile ] (ckpt_lab.compiled): a graph break, then eager.
-        return run_eagerly(
-            selective_checkpoint, function, *args, policy=policy, preserve_rng_state=preserve_rng_state,
-            use_reentrant=use_reentrant, strict=strict, **kwargs,
-        )  # fmt: skip
-    check_use_reentrant(use_reentrant, "selective_checkpoint")
-    contexts = selective_checkpoint_contexts(policy, strict=strict)
-    return checkpoint(
-        function, *args, preserve_rng_state=preserve_rng_state, context_fn=lambda: contexts, **kwargs
-    )
-
-
-def selective_checkpoint_contexts(
-    policy: Policy | Sequence[torch._ops.OpOverload], *, strict: bool = False
-) -> tuple[TorchDispatchMode, TorchDispatchMode]:
-    """The two contexts of a selective checkpoint: ``(forward, recomputation)``, one call's worth.
-
-    ``functools.partial(selective_checkpoint_contexts, policy)`` is a ``context_fn`` for
-    ``ckpt_lab.checkpoint`` (or torch's non-reentrant checkpoint): ``checkpoint(f, x,
-    context_fn=partial(selective_checkpoint_contexts, policy))`` is ``selective_checkpoint(f, x,
-    policy=policy)``. Our counterpart of torch's ``create_selective_checkpoint_contexts``: the
-    policy is the same; ``strict=True`` is torch's default behaviour (``allow_cache_entry_mutation=False``),
-    ``strict=False`` ours (see the module docstring).
-    """
-    chosen = save_ops(policy) if isinstance(policy, (list, tuple)) else policy
-    if not callable(chosen):
-        raise TypeError(
-            "selective_checkpoint: policy_fn_or_list must be either a function or a list of ops. "
-            f"(The policy must be a function or a list of ops, got {policy!r}.)"
-        )
-    cache = _Cache(chosen, strict=strict)
-    return _SaveMode(cache), _ServeMode(cache)
-
-
-def save_ops(ops: Sequence[torch._ops.OpOverload]) -> Policy:
-    """The policy "save the outputs of these ops, recompute the rest" (torch accepts the bare list)."""
-    wanted = set(_checked_ops(ops))
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
-        return SAVE if op in wanted else RECOMPUTE
-
-    return policy
 
 
 def _checked_ops(ops: Sequence[Any]) -> list[torch._ops.OpOverload]:
@@ -194,14 +375,12 @@ def _checked_ops(ops: Sequence[Any]) -> list[torch._ops.OpOverload]:
         )
         if isinstance(op, torch._ops.OpOverloadPacket):
             raise OpListError(
-                f"{expected} Please update the OpOverloadPacket to a specific OpOverload. ({op} names a "
+                f"{expected} Please update the OpOverloadPacket to a specific OpOverload. {op} names a "
                 "family of overloads; name one overload, e.g. "
-                f"torch.ops.{op._qualified_op_name.replace('::', '.')}.default.)"
+                f"torch.ops.{op._qualified_op_name.replace('::', '.')}.default."
             )
         if not isinstance(op, torch._ops.OpOverload):
-            raise OpListError(
-                f"{expected} (The list must hold aten ops: expected aten ops (OpOverload), got {op!r}.)"
-            )
+            raise OpListError(f"{expected} The list must hold aten ops, e.g. torch.ops.aten.mm.default.")
     return list(ops)
 
 
@@ -243,15 +422,17 @@ def _decision(answer: Any, op: Any, index: int) -> Decision:
     )
 
 
-def must_rerun(op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> bool:
-    """True for ops a recomputation must run again whatever the policy says: in-place, view, random.
-
-    (And ops that return no tensor: there is nothing to keep; and autocast's weight casts, see
-    NOTE [ Autocast's weight casts ].)
-    """
-    if op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags:
-        return True
-    return not tensors_in(out) or is_view(op, args, kwargs, out) or is_autocast_weight_cast(op, args, kwargs)
+def _not_the_forward(cache: _Cache, index: int | None, func: Any) -> CheckpointError:
+    """The re-run reached an op that is not the forward's at the same position."""
+    if index is None:
+        differs = f"The forward ran {len(cache.ops)} ops; the recomputation runs more, {func} next"
+    else:
+        differs = f"Op {index} was {cache.ops[index]} in the forward and is {func} in the recomputation"
+    return CheckpointError(
+        f"selective_checkpoint: the recomputation is not the forward. {differs}, at {_user_line()}. "
+        "Make the function deterministic (no branches on Python state that changes between calls), "
+        "or don't checkpoint it."
+    )
 
 
 # NOTE [ Autocast's weight casts ]
@@ -294,153 +475,25 @@ def is_autocast_weight_cast(op: Any, args: Any, kwargs: Any) -> bool:
     )
 
 
-@dataclass
-class _Entry:
-    """One cached op output: its leaves (tensors detached) and the tensors' versions when cached."""
-
-    leaves: list[Any]
-    spec: Any
-    versions: list[int]
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        return [leaf for leaf in self.leaves if isinstance(leaf, torch.Tensor)]
-
-    @property
-    def modified(self) -> bool:
-        """Has an in-place op changed a cached tensor since it was cached?"""
-        return any(t._version != v for t, v in zip(self.tensors, self.versions, strict=False))
-
-
-@dataclass
-class _Cache:
-    """What the forward left for the recomputations of one checkpointed call."""
-
-    policy: Policy
-    # The op at each position (the policy's ``ctx.index``).
-    ops: list[Any] = field(default_factory=list)
-    # The positions a recomputation must meet again, in order: all but autocast's weight casts (NOTE
-    # [ Autocast's weight casts ]). The re-run is checked against them and served by them.
-    replayed: list[int] = field(default_factory=list)
-    entries: dict[int, _Entry] = field(default_factory=dict)
-    # torch's behaviour (``strict=True``): a modified entry or a second recomputation raises.
-    strict: bool = False
-    # Positions served already (strict mode only needs them: a second recomputation meets one again).
-    served: set[int] = field(default_factory=set)
-
-
-def _alias(tensor: torch.Tensor) -> torch.Tensor:
-    """A detached alias that shares ``tensor``'s version counter, made below autograd.
-
-    Inside ``__torch_dispatch__`` the ADInplaceOrView key is excluded, and a plain ``detach()``
-    there gives the alias a version counter of its own: it would never see a later in-place op on
-    the output. Re-enabling the key makes ``detach`` share the counter (torch's ``_detach_helper``
-    does the same).
-    """
-    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
-        return tensor.detach()
-
-
-class _SaveMode(TorchDispatchMode):
-    """Forward: run each op, ask the policy, keep the outputs it wants saved."""
-
-    def __init__(self, cache: _Cache) -> None:
-        super().__init__()
-        self.cache = cache
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        # The same ops torch leaves out (detach, metadata queries): they differ between runs.
-        if func in SAC_IGNORED_OPS:
-            return out
-        index = len(self.cache.ops)
-        self.cache.ops.append(func)
-        if not is_autocast_weight_cast(func, args, kwargs):
-            self.cache.replayed.append(index)
-        decision = _ask(self.cache.policy, index, out, func, args, kwargs)
-        if decision is SAVE and not must_rerun(func, args, kwargs, out):
-            leaves, spec = tree_flatten(out)
-            leaves = [_alias(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-            entry = _Entry(leaves, spec, versions=[])
-            # Remember the version counters: an in-place op on a cached tensor would change what
-            # backward gets back, so serving it later must notice.
-            entry.versions = [t._version for t in entry.tensors]
-            self.cache.entries[index] = entry
-        return out
-
-    def __exit__(self, *args: Any) -> Any:
-        # An output that a later op modified in place (``empty_like`` filled by ``bernoulli_``) can't
-        # be served; drop it now rather than keep its memory until backward. (Strict mode keeps it,
-        # to raise when backward wants it, as torch does.)
-        if not self.cache.strict:
-            self.cache.entries = {i: e for i, e in self.cache.entries.items() if not e.modified}
-        return super().__exit__(*args)
-
-
-class _ServeMode(TorchDispatchMode):
-    """Recomputation: run each op again, except those whose output the forward cached."""
-
-    def __init__(self, cache: _Cache) -> None:
-        super().__init__()
-        self.cache = cache
-        self.position = itertools.count()
-
-    def __enter__(self) -> _ServeMode:
-        # Every recomputation (one per backward) starts again at op 0.
-        self.position = itertools.count()
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        # Whether autocast runs one of its weight casts depends on its cache, not on the function:
-        # see NOTE [ Autocast's weight casts ].
-        if func in SAC_IGNORED_OPS or is_autocast_weight_cast(func, args, kwargs):
-            return func(*args, **kwargs)
-        step = next(self.position)
-        # The op's position as the policy saw it in the forward; None once the re-run outruns it.
-        index = self.cache.replayed[step] if step < len(self.cache.replayed) else None
-        expected = self.cache.ops[index] if index is not None else None
-        if func is not expected:
-            differs = (
-                f"Op {index} was {expected} in the forward and is {func} in the recomputation."
-                if index is not None
-                else f"The forward ran {len(self.cache.ops)} ops; the recomputation runs more, {func} next."
-            )
-            raise CheckpointError(
-                f"selective_checkpoint: the recomputation is not the forward. {differs} Make the "
-                "function deterministic (no branches on Python state that changes between calls), or "
-                "don't checkpoint it."
-            )
-        # Served once: from here on backward holds the only reference and frees it after use, as it
-        # frees any recomputed tensor. A second backward (retain_graph=True) finds no entry and runs
-        # the op again, which is always correct -- it just costs that op's FLOPs once more.
-        entry = self.cache.entries.pop(index, None)
-        if self.cache.strict:
-            _check_strict(self.cache, index, entry)
-        # Not saved (or served already), or modified in place since (no longer the op's output).
-        if entry is None or entry.modified:
-            return func(*args, **kwargs)
-        # A fresh alias: autograd attaches the re-run's history to what we return, not to our entry.
-        leaves = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in entry.leaves]
-        return tree_unflatten(leaves, entry.spec)
-
-
 def _check_strict(cache: _Cache, index: int, entry: _Entry | None) -> None:
     """``strict=True``: torch's errors where ours would run the op again."""
     if entry is None and index in cache.served:
         raise RuntimeError(
             "Trying to backward an extra time. You are only allowed to backward once on any region "
-            "computed under selective activation checkpoint. (selective_checkpoint, strict=True: this "
-            f"backward re-runs the function again and wants op {index} ({cache.ops[index]}), whose "
-            "cached output the first backward used and freed. Without strict=True it runs the op again.)"
+            f"computed under selective activation checkpoint. This backward wants op {index} "
+            f"({cache.ops[index]}) again, whose cached output the first backward used and freed. "
+            "Without strict=True selective_checkpoint runs the op again."
         )
     if entry is not None:
         cache.served.add(index)
         if entry.modified:
             raise RuntimeError(
-                "Tensor cached during selective activation checkpoint has been mutated "
-                f"(selective_checkpoint, strict=True: the output of op {index} ({cache.ops[index]}) was "
-                "saved, then modified in place by a later op of the forward, so it is no longer that "
-                "op's output. Without strict=True the forward drops it and backward runs the op again.)"
+                "Tensor cached during selective activation checkpoint has been mutated. The output of "
+                f"op {index} ({cache.ops[index]}) was saved, then modified in place by a later op of "
+                "the forward, so it is no longer that op's output. Without strict=True the forward "
+                "drops it and backward runs the op again."
             )
+
+
+# The names these had before they were public (notebook 05 and ``ckpt_lab.explain`` used them).
+_SaveMode, _ServeMode = SaveMode, ServeMode

@@ -185,7 +185,7 @@ def test_warning_when_no_input_requires_grad() -> None:
         y = reentrant_checkpoint(net, torch.randn(2, 4))
     message = str(record[0].message)
     assert record[0].filename == __file__  # stacklevel points at the caller
-    assert "none of the tensor inputs requires grad" in message
+    assert message.startswith("None of the inputs have requires_grad=True. Gradients will be None.")
     assert "output will not require grad" in message
     assert "parameters used inside the function will get no gradient" in message
     assert "requires_grad_()" in message and "ckpt_lab.checkpoint" in message
@@ -281,7 +281,7 @@ def test_no_recomputed_output_requires_grad_raises() -> None:
     with pytest.raises(RuntimeError, match="none of the recomputed outputs requires grad"):
         y.sum().backward()
     y = reentrant_checkpoint(lambda t: t.detach() * 2, x)
-    with pytest.raises(RuntimeError, match="checkpoint is not needed"):
+    with pytest.raises(RuntimeError, match=r"this checkpoint\(\) is not necessary(.|\n)*detach its result"):
         y.sum().backward()
 
 

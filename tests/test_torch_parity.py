@@ -1107,8 +1107,14 @@ def test_debug_shows_both_op_logs_side_by_side() -> None:
     with pytest.raises(ckpt_lab.CheckpointError) as info:
         ckpt_lab.checkpoint(_mismatching(), a, debug=True).backward()
     message = str(info.value)
-    # torch's sentence for the error, then the table: header, the ops, and where they came from.
-    assert message.startswith("checkpoint: Recomputed values for the following tensors have different")
+    # torch's sentence for an error under debug=True first, then the error itself (torch's sentence
+    # for it first), then the table: header, the ops, and where they came from.
+    first, second = message.splitlines()[:2]
+    assert first.startswith(
+        "You are seeing this error because you passed `debug=True` to checkpoint and tensors to be saved "
+        "during the original forward and differ between those saved during recomputation."
+    )
+    assert second.startswith("checkpoint: Recomputed values for the following tensors have different")
     table = message.split("side by side")[-1]
     assert "forward" in table and "recomputation" in table
     rows = [line for line in table.splitlines() if "aten." in line]

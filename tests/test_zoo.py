@@ -3,13 +3,14 @@ with the same builders the notebook uses; and every factory runs under ``python 
 
 from __future__ import annotations
 
+import random
 import warnings
 
 import matplotlib
 import pytest
 import torch
 
-from ckpt_lab import checkpoint, measure_memory
+from ckpt_lab import CheckpointError, checkpoint, measure_memory
 from ckpt_lab.explain import explain, zoo
 from ckpt_lab.explain.__main__ import main
 from ckpt_lab.instruments.state import assert_no_global_state
@@ -135,19 +136,32 @@ def test_a_python_random_choice_raises_in_the_non_reentrant_checkpoints() -> Non
         assert isinstance(error, str) and error.startswith("CheckpointError"), name
 
 
-def test_the_reentrant_checkpoints_have_no_determinism_check() -> None:
-    # Documented, not fixed: torch's reentrant variant behaves the same (notebook 07, §8).
+def test_the_reentrant_checkpoints_torchs_trusts_the_rerun_ours_checks_its_outputs() -> None:
+    # torch's reentrant variant has no determinism check: silently wrong gradients. Ours compares
+    # the re-run's outputs with the forward's (NOTE [ The reentrant determinism check ]).
     for seed in (10, 1):
         right = zoo.layer_drop_step(None, seed)
-        for name in ["torch, use_reentrant=True", "ckpt_lab.reentrant_checkpoint"]:
-            assert _max_diff(zoo.layer_drop_step(name, seed), right) > 0.01
+        assert _max_diff(zoo.layer_drop_step("torch, use_reentrant=True", seed), right) > 0.01
+        error = zoo.layer_drop_step("ckpt_lab.reentrant_checkpoint", seed)
+        assert isinstance(error, str) and error.startswith("CheckpointError"), error
+        assert "the recomputation is not the forward: output 0 has norm" in error
 
 
-def test_a_branch_that_keeps_the_shapes_passes_every_determinism_check() -> None:
-    # Documented limit of a metadata check (torch's and ours): silently wrong gradients.
+def test_a_branch_that_keeps_the_shapes_passes_torchs_checks_not_ours() -> None:
+    # A metadata check (torch's) cannot see it: silently wrong gradients. Ours compare the op that
+    # made each saved tensor (non-reentrant) or the outputs (reentrant) and raise.
     right = zoo.layer_drop_step(None, 10, model=zoo.RandomActivation)
-    for name in zoo.CHECKPOINTS:
+    for name in ["torch, use_reentrant=False", "torch, use_reentrant=True"]:
         assert _max_diff(zoo.layer_drop_step(name, 10, model=zoo.RandomActivation), right) > 1e-3
+    error = zoo.layer_drop_step("ckpt_lab.checkpoint", 10, model=zoo.RandomActivation)
+    assert error.startswith("CheckpointError: checkpoint: the recomputation took another path"), error
+    random.seed(10)
+    model = zoo.RandomActivation(checkpoint)
+    expected = r"made by aten\.sigmoid in the forward and by aten\.tanh in the re-run, at zoo\.py:\d+ in _"
+    with pytest.raises(CheckpointError, match=expected):
+        zoo.gradients(model, torch.randn(zoo.BATCH, zoo.WIDTH, requires_grad=True))
+    error = zoo.layer_drop_step("ckpt_lab.reentrant_checkpoint", 10, model=zoo.RandomActivation)
+    assert error.startswith("CheckpointError: reentrant_checkpoint: the recomputation is not the forward")
 
 
 @pytest.mark.parametrize("name", sorted(zoo.CHECKPOINTS))
@@ -158,8 +172,6 @@ def test_the_choice_made_outside_the_checkpoint_gives_exact_gradients(name: str)
 
 
 def test_the_error_names_the_cause() -> None:
-    import random
-
     random.seed(10)
     with pytest.raises(RuntimeError, match="recomputation"):
         zoo.gradients(zoo.LayerDrop(checkpoint), torch.randn(zoo.BATCH, zoo.WIDTH, requires_grad=True))

@@ -56,7 +56,7 @@ from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.tensors import all_equal, grads, leaves
 from ckpt_lab.helpers.viz import plot_timeline, save_figure, show_dot
 from ckpt_lab.instruments import measure_memory
-from ckpt_lab.nonreentrant import _recompute, _unpack_from_handle
+from ckpt_lab.nonreentrant import frame_of, recompute, unpack_from_handle
 from ckpt_lab.reentrant import reentrant_checkpoint
 
 _ = torch.manual_seed(0)
@@ -199,17 +199,18 @@ show_source(checkpoint, start="replay = ReplayState")
 # %% [markdown]
 # The frame saves the inputs **through autograd**, in `_SaveInputs`, a do-nothing
 # `autograd.Function`: they get the version check (the error above), and an enclosing checkpoint's
-# pack hook sees them (§3.4). The pack hook returns an empty `_Handle` (a dict: graph-task id →
-# tensor), and keeps a **weak** reference to it and the tensor's shape, dtype and device. When backward
-# frees a node, its handles die, telling the frame that tensor is no longer needed. A forward,
-# inspected:
+# pack hook sees them (§3.4). The pack hook returns an empty `Handle` (a dict: graph-task id →
+# tensor), and keeps a **weak** reference to it, the tensor's shape, dtype and device, and the op
+# that made it (its `grad_fn`'s name, `frame.makers`). When backward frees a node, its handles die,
+# telling the frame that tensor is no longer needed. A forward, inspected (`frame_of` finds the
+# `Frame` behind a saved tensor's hooks):
 
 # %%
 x = torch.randn(1000, requires_grad=True)
 counter = CallCounter(sin_chain)
 out = checkpoint(counter, x)
 raw = out.grad_fn._raw_saved_self
-frame = inspect.getclosurevars(raw.unpack_hook).nonlocals["frame"]
+frame = frame_of(raw)  # the Frame behind the unpack hook of this saved tensor
 alive = sum(ref() is not None for ref in frame.handles)
 print(f"the graph stores: {type(raw.data).__name__} {raw.data.recomputed} | frame: {len(frame.handles)} weak "
       f"refs, {alive} alive; first saved tensor: {frame.metas[0]} | runs so far: {counter.count}")
@@ -221,9 +222,9 @@ print(f"the graph stores: {type(raw.data).__name__} {raw.data.recomputed} | fram
 dot = f"""digraph {{ rankdir=LR; node [shape=box, fontname=Helvetica, fontsize=11];
 edge [fontname=Helvetica, fontsize=10]; out [label="output tensor"]; out -> nodes [label="grad_fn"];
 nodes [label="graph nodes\\nSinBackward0 × 6", style=filled, fillcolor="#dde8f5"]; nodes -> sv;
-sv [label="saved tensors × {len(frame.handles)}\\ndata: a _Handle\\nunpack hook: a closure"];
-h [label="_Handle × {alive}\\nempty until backward"]; x [label="input x\\n{x.nbytes:,} B"];
-fr [label="_Frame\\nfunction, RNG state,\\n{len(frame.metas)} × (shape, dtype, device)", style=filled];
+sv [label="saved tensors × {len(frame.handles)}\\ndata: a Handle\\nunpack hook: a closure"];
+h [label="Handle × {alive}\\nempty until backward"]; x [label="input x\\n{x.nbytes:,} B"];
+fr [label="Frame\\nfunction, RNG state,\\n{len(frame.metas)} × (shape, dtype, device, op)", style=filled];
 si [label="_SaveInputs node\\n(saved tensors)"]; sv -> h [label="owns"]; sv -> fr [label="closure"];
 fr -> h [style=dashed, label="weak refs"]; fr -> si [label="saver"]; si -> x; }}"""
 show_dot(dot, "03b_ownership")
@@ -233,16 +234,17 @@ show_dot(dot, "03b_ownership")
 # its tensor, so backward holds the only reference:
 
 # %%
-show_source(_unpack_from_handle, start="def unpack", stop="if task not in handle.recomputed")
+show_source(unpack_from_handle, start="def unpack", stop="if task not in handle.recomputed")
 
 # %% [markdown]
-# `_recompute` re-runs the function (RNG and autocast replayed, grad on) under a second pack hook
+# `recompute` re-runs the function (RNG and autocast replayed, grad on) under a second pack hook
 # that fills each live handle, notes a tensor whose shape, dtype or device is not the forward's (it
-# raises when the re-run ends, as torch does), and stops at the last live one (`early_stop=False`
-# runs the whole function instead):
+# raises when the re-run ends, as torch does), raises at once where another op made the tensor (a
+# check torch does not have, §4), and stops at the last live one (`early_stop=False` runs the whole
+# function instead):
 
 # %%
-show_source(_recompute, start="if handles[index] is not None:", stop="# The recomputed graph keeps")
+show_source(recompute, start="if handles[index] is not None:", stop="# The recomputed graph keeps")
 
 # %% [markdown]
 # **What runs when**: a four-`sin` chain logs each `sin`, and a tensor hook on each output logs when
@@ -432,8 +434,9 @@ draw_steps(rows, "03b_early_stop")
 # ones stop after `exp`; `ckpt_lab` before the `tanh`, whose handle died with `_unused`.
 #
 # The price of stopping by position: the re-run must save the same tensors in the same order, each
-# checked against the forward's shape, dtype and device. A function branching on a counter (all of
-# `x` on its first call, `x[:2]` later) fails the check; the unchecked reentrant variant is wrong:
+# checked against the forward's shape, dtype and device, and (ours) the op that made it. A function
+# branching on a counter (all of `x` on its first call, `x[:2]` later) fails the check; torch's
+# reentrant variant checks nothing and is wrong; ours compares the re-run's outputs with the forward's:
 
 # %%
 counts_its_calls = lambda x, calls: (x if next(calls) == 1 else x[:2]).sin().sum()
@@ -442,14 +445,20 @@ try:
     checkpoint(counts_its_calls, x, itertools.count(1)).backward()
 except CheckpointError as error:
     print("ckpt_lab.checkpoint: CheckpointError:", error)
-reentrant_checkpoint(functools.partial(counts_its_calls, calls=itertools.count(1)), x).backward()
-print("reentrant: no error; gradient equal to cos(x):", torch.allclose(x.grad, x.detach().cos()),
-      "| zeros in the gradient:", int((x.grad == 0).sum()))
+torch_reentrant(functools.partial(counts_its_calls, calls=itertools.count(1)), x).backward()
+print("torch, use_reentrant=True: no error; gradient equal to cos(x):",
+      torch.allclose(x.grad, x.detach().cos()), "| zeros in the gradient:", int((x.grad == 0).sum()))
+try:
+    reentrant_checkpoint(functools.partial(counts_its_calls, calls=itertools.count(1)), x).backward()
+except CheckpointError as error:
+    print("reentrant_checkpoint: CheckpointError:", str(error).split(". The function")[0])
 
 # %% [markdown]
-# The error opens with torch's sentence for the same failure, so a search for either finds both;
-# `debug=True` adds the ops of the forward and of the re-run side by side, each with its line of code.
-# The third element, unused by the re-run, got gradient 0 instead of cos(x₂).
+# The error opens with torch's sentence for the same failure, so a search for either finds both, then
+# says where the runs parted (the op that made the saved tensor, and the re-run's line); `debug=True`
+# adds the ops of the forward and of the re-run side by side, each with its line of code. With torch's
+# reentrant variant the third element, unused by the re-run, got gradient 0 instead of cos(x₂); ours
+# compares each output's shape, dtype, device and norm (one reduction in the forward, one in backward).
 #
 # ## 5. Why PyTorch moved checkpointing away from `autograd.Function`
 #

@@ -58,7 +58,7 @@ from ckpt_lab.helpers.viz import save_figure
 from ckpt_lab.instruments.counting import OpCounter
 from ckpt_lab.offload import offload_to_cpu
 from ckpt_lab.planner import CostCounter, budget_range, plan_sequential, profile, solve
-from ckpt_lab.selective import _SaveMode, must_rerun, selective_checkpoint
+from ckpt_lab.selective import SaveMode, must_rerun, selective_checkpoint
 
 print("torch", torch.__version__)
 
@@ -201,11 +201,11 @@ show_source(must_rerun, start="if op._schema")
 # (it also notes each entry's version counter, to notice a later in-place change):
 
 # %%
-show_source(_SaveMode, start="self.cache.policy", stop="entry = _Entry")
+show_source(SaveMode, start="self.cache.policy", stop="return out")
 
 # %% [markdown]
 # Not shown: ops torch's SAC skips too (`detach`, metadata queries) are not asked about; entries a
-# later in-place op changed are dropped. In the recomputation, `_ServeMode` checks each op against
+# later in-place op changed are dropped. In the recomputation, `ServeMode` checks each op against
 # the forward's (appendix A) and serves the cached entry instead of running it; backward frees it
 # after use, like a recomputed tensor.
 #
