@@ -311,6 +311,8 @@ def grade_file(exercise: Exercise, path: str | os.PathLike) -> Report:
                 message = str(error) or "failed (no message)"
             except Exception as error:  # the learner's code failed: say where, in their file
                 message = _raised(error, submission)
+            # What makes a basic check stop the rest: its own failure, not leftovers (said, and undone).
+            own_failure = message is not None
             left = state_left_behind(before)
             if left:
                 restore_state(before)
@@ -319,7 +321,7 @@ def grade_file(exercise: Exercise, path: str | os.PathLike) -> Report:
                     message = "\n".join(filter(None, [message, left]))
             status = "passed" if message is None else "todo" if todo is not None else "failed"
             outcomes.append(Outcome(check, status, message or ""))
-            if message is not None and check.basic:
+            if own_failure and check.basic:
                 stop = check.id
         todos = list(
             dict.fromkeys(
