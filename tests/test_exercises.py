@@ -323,7 +323,85 @@ MISTAKES: dict[str, list[Mistake]] = {
     ],
 }
 
-CASES = [(name, m) for name, ms in MISTAKES.items() for m in ms]
+# Exercise 04's mistakes are whole files (its reference solution is the package's scope core): notebook
+# 04's two drafts, a scope that recomputes nothing, and the shipped scope without its RNG replay.
+_DRAFT_1 = '''"""Notebook 04's draft 1: record, hand out handles, replay; the hooks popped at __exit__."""
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class Made(int):
+    """A tensor argument made by the scope, recorded as the position of the op that made it."""
+
+
+class gradient_checkpoint_scope(TorchDispatchMode):  # noqa: N801
+    def __enter__(self):
+        self.tape, self.made = [], {}
+        self.hooks = saved_tensors_hooks(self.pack, self.unpack)
+        self.hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.hooks.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.tape.append((func, [self.pack(v) if isinstance(v, torch.Tensor) else v for v in args], kwargs))
+        self.made[id(out.untyped_storage())] = Made(len(self.tape) - 1)
+        return out
+
+    def pack(self, tensor):
+        return self.made.get(id(tensor.untyped_storage()), tensor)
+
+    def unpack(self, packed):
+        if type(packed) is not Made:
+            return packed
+        values = []
+        with torch.no_grad():
+            for func, args, kwargs in self.tape:
+                values.append(func(*[values[v] if type(v) is Made else v for v in args], **(kwargs or {})))
+        return values[packed]
+'''
+_DRAFT_2 = _DRAFT_1.replace(
+    "        super().__exit__(*exc)\n        self.hooks.__exit__(*exc)\n",
+    "        super().__exit__(*exc)  # stop recording only: the hooks stay, for tensors used later\n",
+)
+MISTAKES["04-scope"] = [
+    Mistake(
+        "stores everything (a scope that recomputes nothing)",
+        "",
+        "import contextlib\n\n\ndef gradient_checkpoint_scope():\n    return contextlib.nullcontext()\n",
+        "api-page-example",
+        "yet its memory is still alive after y = x * c",
+    ),
+    Mistake(
+        "forgets the RNG replay",
+        "",
+        "import functools\n\nfrom ckpt_lab import gradient_checkpoint_scope as scope\n\n"
+        "gradient_checkpoint_scope = functools.partial(scope, preserve_rng_state=False)\n",
+        "dropout",
+        "dropout in the scope",
+    ),
+    Mistake(
+        "pops its hooks at __exit__ (notebook 04's draft 1)",
+        "",
+        _DRAFT_1,
+        "hooks-released",
+        "no hook is on the stack: x * c would store x",
+    ),
+    Mistake(
+        "leaves its hooks on the stack (notebook 04's draft 2)",
+        "",
+        _DRAFT_2,
+        "enclosing-hooks",
+        "the enclosing hook packed []",
+    ),
+]
+
+CASES = [(name, m) for name, ms in MISTAKES.items() for m in ms if name in EXERCISES]
 
 
 @functools.cache
@@ -335,7 +413,8 @@ def _graded(name: str, label: str, folder: str):
     assert mistake.old in source, f"{name}: the reference solution no longer has {mistake.old!r}"
     path = Path(folder) / name / e.file_name
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(source.replace(mistake.old, mistake.new, 1))
+    # A mistake without `old` is a whole file of its own.
+    path.write_text(source.replace(mistake.old, mistake.new, 1) if mistake.old else mistake.new)
     return grade(name, path)
 
 
@@ -357,10 +436,11 @@ def test_reference_solution_passes(name: str) -> None:
 PACKAGE_AS_SOLUTION = {
     "02-checkpoint-function": "from ckpt_lab.reentrant import CheckpointFunction  # noqa: F401\n",
     "03b-checkpoint": "from ckpt_lab import checkpoint  # noqa: F401\n",
+    "04-scope": "from ckpt_lab import gradient_checkpoint_scope  # noqa: F401\n",
 }
 
 
-@pytest.mark.parametrize("name", list(PACKAGE_AS_SOLUTION))
+@pytest.mark.parametrize("name", [name for name in PACKAGE_AS_SOLUTION if name in EXERCISES])
 def test_the_package_passes_its_own_exercise(name: str, tmp_path: Path) -> None:
     path = tmp_path / exercise(name).file_name
     path.write_text(PACKAGE_AS_SOLUTION[name])
@@ -379,7 +459,7 @@ def test_each_mistake_is_caught_by_its_check(name: str, mistake: Mistake, folder
     assert_no_global_state()
 
 
-@pytest.mark.parametrize("name", list(MISTAKES))
+@pytest.mark.parametrize("name", [name for name in MISTAKES if name in EXERCISES])
 def test_each_mistake_gets_its_own_message(name: str, folder: str) -> None:
     assert len(MISTAKES[name]) >= 3
     messages = [_graded(name, m.label, folder).message(m.check) for m in MISTAKES[name]]
@@ -387,7 +467,7 @@ def test_each_mistake_gets_its_own_message(name: str, folder: str) -> None:
 
 
 def test_every_exercise_has_mistakes_catalogued() -> None:
-    assert set(MISTAKES) == set(EXERCISES) - {"04-scope"}
+    assert set(EXERCISES) <= set(MISTAKES)
 
 
 # --------------------------------------------------------------------------------------------------- stubs
@@ -401,7 +481,8 @@ def test_an_untouched_stub_is_not_implemented_yet(name: str, capsys: pytest.Capt
 
 
 def test_the_notebooks_stubs_are_the_packages() -> None:
-    stubs = {e.file_name: e.stub_path.read_text() for e in EXERCISES.values()}
+    stubs = {p.name: p.read_text() for p in (ROOT / "ckpt_lab" / "exercises" / "stubs").glob("*.py")}
+    assert {e.file_name for e in EXERCISES.values()} <= set(stubs)
     found = {p.name: p.read_text() for p in NOTEBOOK_STUBS.glob("*.py")}
     assert found == stubs, "notebooks/exercises/ must hold the package's stubs (ckpt_lab/exercises/stubs/)"
 

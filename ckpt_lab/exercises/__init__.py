@@ -25,6 +25,7 @@ From a shell: ``python -m ckpt_lab.exercises list | check NAME FILE... | stubs D
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import types
 from pathlib import Path
@@ -65,6 +66,11 @@ def _exercises() -> dict[str, Exercise]:
         ex05_selective_budget.EXERCISE,
         ex07_memory_target.EXERCISE,
     ]
+    # Exercise 04 is graded by the scope's mechanism checks (ckpt_lab.scope_checks), where they exist.
+    if importlib.util.find_spec("ckpt_lab.scope_checks") is not None:
+        from ckpt_lab.exercises import ex04_scope
+
+        found.insert(5, ex04_scope.EXERCISE)
     return {e.name: e for e in found}
 
 
