@@ -82,6 +82,13 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
         "error: batchnorm.skip_stats_update_in_recompute is unavailable (ImportError naming it)",
         today=_IMPORT_ERROR + " (batchnorm is imported by itself, not by ckpt_lab/__init__)",
     ),
+    PrivateUse(
+        "torch.utils._python_dispatch._pop_mode",
+        "exercises._feedback: undo what a learner's code left behind",
+        "pops the dispatch modes a learner's code left on the stack, so that grading goes on",
+        "fallback: report the leftover mode without popping it",
+        today=_IMPORT_ERROR + " (of ckpt_lab.exercises)",
+    ),
     # ------------------------------------------------------------------ autograd engine
     PrivateUse(
         "torch._C._current_graph_task_id",
@@ -99,6 +106,13 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
         "fallback: the hooks go at the next safe point instead (memory of one stack entry; gradients "
         "unaffected)",
         today="RuntimeError is caught, AttributeError is not: inside backward, an AttributeError",
+    ),
+    PrivateUse(
+        "torch._C._current_autograd_node",
+        "explain.regions: _backward_context",
+        "names the autograd node that runs a backward op",
+        "fallback: leave the node's name empty",
+        today="AttributeError in explain",
     ),
     PrivateUse(
         "torch.autograd._is_checkpoint_valid",
@@ -204,6 +218,13 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
         "torch.utils._pytree.tree_leaves",
         "rng: tensor_devices",
         "the devices of nested arguments",
+        "error: as for tree_flatten",
+        today=_IMPORT_ERROR,
+    ),
+    PrivateUse(
+        "torch.utils._pytree.tree_map_only",
+        "scope_core: the tape's arguments",
+        "replaces the tensors of nested op arguments by their slots, and back",
         "error: as for tree_flatten",
         today=_IMPORT_ERROR,
     ),
