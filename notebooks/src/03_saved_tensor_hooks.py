@@ -14,24 +14,34 @@
 # %% [markdown]
 # # 03 · Saved-tensor hooks: what autograd keeps for backward, and how to change it
 #
-# **TL;DR.** Every op whose backward formula needs a value stores it in its graph node as a *saved
-# tensor*. An op's inputs are stored as they are; an op's own output is stored as bare data, without
+# **TL;DR.** Every op whose backward formula needs a value stores it in its graph node as a
+# [saved tensor](glossary.md#saved-tensor). An op's inputs are stored as they are; an op's own output is stored as bare data, without
 # its `grad_fn`, and re-attached to the node each time it is read. `saved_tensors_hooks(pack, unpack)`
 # lets you intercept both ends: autograd stores **whatever `pack` returns** and calls `unpack` when
 # backward needs the tensor, even after the `with` block has closed. With a few lines per pair, the
 # saved values can be logged tensor by tensor, moved to CPU or to disk, or compressed (bfloat16: the
 # saved bytes of a six-`sin` chain fall from 20,004 to 12,004, gradient error < 1 %).
 #
-# After this notebook you can list what any block saves, write a pack/unpack pair, and say what
-# offloading and compression cost. Notebook
-# [03b](03b_nonreentrant_checkpoint.ipynb) uses the same hooks to build the non-reentrant checkpoint:
-# a pack hook that stores *nothing* and an unpack hook that recomputes.
+# Notebook [03b](03b_nonreentrant_checkpoint.ipynb) uses the same hooks to build the non-reentrant
+# checkpoint: a pack hook that stores *nothing* and an unpack hook that recomputes.
+#
+# **After this notebook you can**
+#
+# 1. say what an op saves (its inputs as they are, its output as bare data) and read it back
+#    (checked: §1's assert);
+# 2. say when autograd's in-place check guards a saved tensor, and when hooks switch it off
+#    (checked: §1's prediction);
+# 3. write a pack/unpack pair that meets a byte target with gradients within a tolerance (checked:
+#    exercise 03-pack-unpack, §3);
+# 4. say what offloading and compression cost on a CPU (checked: §3's prediction);
+# 5. say why drawing a checkpointed graph with `show_saved=True` re-runs the block (checked: §4's
+#    prediction).
 #
 # | question | answered in |
 # |---|---|
 # | What does autograd save for backward, and is a saved tensor the same object as the original? | §1 |
 # | How does a node keep its own output without owning itself? | §1 |
-# | When can a saved tensor no longer be read? | §1 |
+# | When can a saved tensor no longer be read, and when does an in-place change go unnoticed? | §1 |
 # | What are pack and unpack hooks, and when does each run? | §2 |
 # | How do I see what a block saves, tensor by tensor? | §2 |
 # | How can hooks offload saved tensors (CPU, disk) or compress them, and at what cost? | §3 |
@@ -51,6 +61,7 @@ from torch import nn
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 
 from ckpt_lab import CallCounter, SavedTensorLog, checkpoint, measure_memory
+from ckpt_lab.helpers.predict import reveal
 from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, save_figure, show_dot
 
@@ -71,7 +82,8 @@ def sin_chain(x, n=6):
 # ## 1. What autograd saves
 #
 # Every op that needs a value in its backward formula stores it in its node (`grad_fn`) as a
-# *saved tensor*, readable as `grad_fn._saved_<name>`. `pow` needs its input, and stores it as it is:
+# *saved tensor*, readable as `grad_fn._saved_<name>` (underscore names: torch's saved-tensor-hooks
+# tutorial reads them, but they are not stable API). `pow` needs its input, and stores it as it is:
 
 # %%
 x = torch.randn(5, requires_grad=True)
@@ -80,9 +92,9 @@ print("y.grad_fn._saved_self is x:", y.grad_fn._saved_self is x)
 print("y.grad_fn._saved_exponent: ", y.grad_fn._saved_exponent, "(a non-tensor is saved too)")
 
 # %% [markdown]
-# `exp` needs its *output* (d eˣ/dx = eˣ). What comes back holds the same numbers in the same memory,
-# with the same `grad_fn`, and yet it is **not** the same Python object, and reading it twice gives
-# two different objects:
+# `exp` needs its *output* (d eˣ/dx = eˣ). What comes back holds the same numbers in the same
+# [storage](glossary.md#storage), with the same `grad_fn`, and yet it is **not** the same Python
+# object, and reading it twice gives two different objects:
 
 # %%
 y = x.exp()
@@ -92,6 +104,7 @@ print("saved is y:                          ", saved is y)
 print("saved.data_ptr() == y.data_ptr():    ", saved.data_ptr() == y.data_ptr())
 print("saved.grad_fn is y.grad_fn:          ", saved.grad_fn is y.grad_fn)
 print("_saved_result is _saved_result again:", y.grad_fn._saved_result is y.grad_fn._saved_result)
+assert saved is not y and saved.data_ptr() == y.data_ptr() and saved.grad_fn is y.grad_fn
 
 # %% [markdown]
 # Why? A node that kept its own output *with* its `grad_fn` would own itself: node → output →
@@ -103,8 +116,9 @@ print("_saved_result is _saved_result again:", y.grad_fn._saved_result is y.grad
 # tensor; `unpack` builds a fresh tensor around the data and attaches that node as its `grad_fn`.
 # (`SavedVariable` has a `weak_grad_fn_` field, but it serves only one corner: an output that was
 # modified in place through a view.) Three observations show it. `_raw_saved_result.data` is the
-# stored value, read without unpacking; the node keeps working after `y` is gone; and the raw
-# `SavedTensor.unpack()`, called without a node, cannot rebuild the output:
+# stored value, read without unpacking (`_raw_saved_*`, private torch API, is the only way to see
+# it); the node keeps working after `y` is gone; and the raw `SavedTensor.unpack()`, called without
+# a node, cannot rebuild the output:
 
 # %%
 y = x.exp()
@@ -154,10 +168,10 @@ show_dot("""digraph { rankdir=LR; node [shape=box, fontname=Helvetica, fontsize=
          "03_saved_variable")
 
 # %% [markdown]
-# Two more facts about saved tensors that a checkpoint will rely on. Autograd remembers each saved
-# tensor's *version counter* and refuses to hand out one that was modified in place since; and
-# backward frees the saved tensors of every node it has run (unless `retain_graph=True`), after which
-# reading them raises:
+# Two more facts about saved tensors that a checkpoint will rely on. Without hooks, autograd
+# remembers each saved tensor's *version counter* and refuses to hand out one that was modified in
+# place since; and backward frees the saved tensors of every node it has run (unless
+# `retain_graph=True`), after which reading them raises:
 
 # %%
 a = x * 1
@@ -176,6 +190,54 @@ except RuntimeError as error:
     print("after backward: ", error)
 
 # %% [markdown]
+# The version check holds only without [saved-tensor hooks](glossary.md#pack-unpack) (§2):
+# `SavedVariable::unpack` skips it when hooks are set ("If user provides hooks, we can't track
+# versions through the hooks"): what an unpack hook returns has no saved version to compare.
+#
+# **Predict.** Under hooks whose pack and unpack return the tensor unchanged, does
+# `y = x * 1; z = y.sin(); y.add_(1); z.sum().backward()` still raise?
+
+# %%
+guess = None  # your guess: True (it raises) or False
+
+# %%
+def in_place_after_save(hooks, sin=torch.sin):  # (raises?, is x's gradient cos of the *modified* y?)
+    x = torch.randn(5, requires_grad=True)
+    with hooks:
+        y = x * 1
+        z = sin(y)  # sin saves y
+    y.add_(1)
+    try:
+        z.sum().backward()
+    except RuntimeError:
+        return True, "-"
+    return False, torch.equal(x.grad, y.detach().cos())
+
+in_checkpoint = lambda y: checkpoint(torch.sin, y)  # notebook 03b's checkpoint
+cases = {"no hooks": (nullcontext(), torch.sin),
+         "identity hooks": (saved_tensors_hooks(lambda t: t, lambda t: t), torch.sin),
+         "pack stores a copy": (saved_tensors_hooks(lambda t: t.clone(), lambda t: t), torch.sin),
+         "checkpoint(sin)": (nullcontext(), in_checkpoint),
+         "checkpoint(sin) in save_on_cpu": (save_on_cpu(), in_checkpoint)}
+outcomes = {name: in_place_after_save(*case) for name, case in cases.items()}
+for name, (raised, modified_used) in outcomes.items():
+    print(f"{name:31} raises: {raised!s:5} | gradient is cos(modified y): {modified_used}")
+reveal(guess, outcomes["identity hooks"][0], "error under identity hooks")
+
+# %% [markdown]
+# Without hooks, the error; with identity hooks, no error and a gradient computed from the modified
+# `y`, silently. What it means:
+#
+# * **Offload and compression**: a pack hook that stores a *copy* (a GPU tensor moved to the host, a
+#   smaller dtype, a file) hands backward the value the forward saved: no error, and the gradient of
+#   what the forward computed. One that stores the tensor itself (an identity or logging hook;
+#   `save_on_cpu` on a CPU tensor, where `.cpu()` is the tensor, §3) hands backward the modified
+#   value.
+# * **Every hook-based checkpoint** stores handles, which carry no version either. Ours and torch's
+#   keep the check for the block's *inputs* by saving them through autograd outside their own hooks
+#   (the `checkpoint(sin)` row raises); inside an enclosing pair of hooks, an offload or an outer
+#   checkpoint, those inputs pass through that pair and the check is gone (the last row).
+#
 # ## 2. Pack and unpack hooks
 #
 # `torch.autograd.graph.saved_tensors_hooks(pack_hook, unpack_hook)` is a context manager. While it is
@@ -309,6 +371,13 @@ def run_with(hooks):
 
     return measure_memory(forward).retained_bytes, x.grad
 
+# %% [markdown]
+# **Predict.** Without hooks the chain keeps 20,004 bytes. On this CPU-only machine, how many does
+# it keep under `save_on_cpu(pin_memory=True)`?
+
+# %%
+guess = None  # your guess, in bytes
+
 # %%
 _, grad_plain = run_with(nullcontext)
 retained, errors = {}, {}
@@ -329,6 +398,7 @@ with tempfile.TemporaryDirectory() as folder:
         print(f"{name:29} retained {retained[name]:>6,} bytes   gradient bitwise equal: "
               f"{torch.equal(grad, grad_plain)}")
 print("hand offload: real copies made on this machine:", sum(copies), "of", len(copies))
+reveal(guess, retained["save_on_cpu(pin_memory=True)"], "bytes kept, save_on_cpu(pin_memory=True)")
 
 # %%
 fig, ax = plt.subplots(figsize=(8, 2.6))
@@ -376,13 +446,32 @@ print("stored in the graph:", type(y.grad_fn._raw_saved_self.data).__name__,
 # **recomputing** in unpack is the non-reentrant checkpoint, the subject of notebook
 # [03b](03b_nonreentrant_checkpoint.ipynb).
 #
+# The exercise's targets, on the same chain: at most 12,004 bytes kept from forward to backward,
+# x's gradient within 1% (relative, in norm) of the one without hooks, and each unpack giving back
+# the shape, dtype and device that were saved.
+
+# %% [markdown]
+# **Your turn.** Write a pack/unpack pair in `exercises/03_pack_unpack.py` (open it from the file browser) that meets the byte target with gradients within the tolerance; then run the cell below: it grades your file with this notebook's instruments.
+
+# %%
+from ckpt_lab.exercises import check
+
+check("03-pack-unpack", "exercises/03_pack_unpack.py")
+
+# %% [markdown]
 # ## 4. Reading a saved tensor runs the unpack hook: the torchviz trap
 #
 # `grad_fn._saved_<name>` is an unpack like backward's, so it runs the unpack hook. With a checkpoint
 # whose unpack hook recomputes (`ckpt_lab.checkpoint`, built in 03b), reading a saved tensor by hand
 # re-runs the block. torchviz's `make_dot(..., show_saved=True)` reads every saved tensor to draw it,
 # so drawing the graph re-runs the block once per saved tensor. `draw_graph` (torchviz, counting the
-# aten ops that ran while drawing) warns:
+# aten ops that ran while drawing) warns.
+#
+# **Predict.** How many times does drawing `checkpoint(sin, sin, exp)` with `show_saved=True` re-run
+# the block?
+
+# %%
+guess = None  # your guess: a number of re-runs
 
 # %%
 x = torch.randn(4, requires_grad=True)
@@ -394,6 +483,7 @@ with warnings.catch_warnings(record=True) as caught:
 print("warning:", *(w.message for w in caught if issubclass(w.category, UserWarning)))
 print("runs: forward 1, while drawing", block.count - 1, "| aten ops while drawing:",
       picture.ops_while_drawing)
+reveal(guess, block.count - 1, "re-runs while drawing")
 block.reset()
 print("without show_saved: runs", block.count, "| ops while drawing:",
       draw_graph(out, {"x": x}).ops_while_drawing)
@@ -409,9 +499,9 @@ picture
 # |---|---|---|
 # | What does autograd save, and is it the same tensor? | inputs are stored as the same object; an op's output is stored as data without `grad_fn`, and each read builds a new tensor on the same storage | §1 |
 # | How does a node keep its own output without a reference cycle? | `SavedVariable` keeps no reference to the node; `unpack(saved_for)` attaches the node the caller passes (`weak_grad_fn_` only serves in-place ops on views) | §1: stored data has no `grad_fn`; the node still works after `del y`; `unpack()` without a node fails |
-# | When can a saved tensor not be read? | after backward freed it, or after an in-place change (version counter) | §1 |
+# | When can a saved tensor not be read? | after backward freed it; after an in-place change (version counter), but only without hooks: under hooks the change goes unnoticed | §1: without hooks the error; identity hooks: no error, gradient from the modified value |
 # | What can a pack hook return, and when do the hooks run? | anything; pack in forward in op order, unpack in backward in reverse, even after the `with` block closed | §2: the timeline |
 # | What does a block save, tensor by tensor? | `SavedTensorLog().listing()`: shape, bytes, the op that made it, where it was saved | §2: an MLP saves 3 activations, 1,536 bytes, and 1 weight |
-# | What do offload and compression buy? | disk: 20,004 → 4 bytes kept, bitwise-equal gradients; bfloat16: 20,004 → 12,004 (10,004 keeping leaves), error < 1e-2; CPU offload moves nothing on a CPU | §3 |
+# | What do offload and compression buy? | disk: 20,004 → 4 bytes kept, bitwise-equal gradients; bfloat16: 20,004 → 12,004 (10,004 keeping leaves), error < 1e-2; CPU offload moves nothing on a CPU (24,004 with `pin_memory=True`) | §3; exercise 03-pack-unpack |
 # | Why does drawing the graph with `show_saved=True` re-run my checkpointed block? | reading a saved tensor is an unpack; under a checkpoint, unpack recomputes | §4: 3 extra runs, 21 aten ops |
 # | How is a checkpoint built on hooks? | pack returns an empty handle, unpack recomputes | notebook [03b](03b_nonreentrant_checkpoint.ipynb) |
