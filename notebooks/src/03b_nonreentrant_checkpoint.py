@@ -21,20 +21,32 @@
 # nesting work; the re-run stops early, checked against the forward. An MLP block keeps 65,540
 # bytes instead of 851,972, as torch's `use_reentrant=False` does.
 #
+# **After this notebook you can**
+#
+# 1. build a checkpoint from pack and unpack hooks (checked: exercise 03b-checkpoint, §2);
+# 2. say what a draft that caches its re-run still holds after backward (checked: §1's prediction);
+# 3. say why frozen inputs, `autograd.grad` and nesting work here, not in the reentrant checkpoint
+#    (checked: the exercise's autograd-grad and frozen-input checks; §3.4's assert);
+# 4. say how far each checkpoint's re-run goes, and which ones catch a re-run on another path
+#    (checked: §4's prediction and its `CheckpointError`);
+# 5. compare ours with torch's `use_reentrant=False` in bytes, runs and gradients (checked: §6's
+#    asserts).
+#
 # | question | answered in |
 # |---|---|
 # | How can hooks make a checkpoint; why do simple drafts fail? | §1 |
 # | What does `ckpt_lab.checkpoint` keep, who owns it, what runs when? | §2 |
 # | How do I checkpoint and train a sub-network whose inputs don't require grad; is passing the parameters in idiomatic? (forum thread "Checkpoint for a whole subnet") | §3.1 |
 # | Why does the reentrant checkpoint refuse `autograd.grad`? (same thread) `backward(inputs=...)`, keywords, nesting? | §3.2–§3.4, §5 |
-# | Does the re-run run the whole block? What if it differs from the forward? | §4 |
+# | Does the re-run run the whole block? What if it takes another path? | §4 |
 # | How do `autograd.Function` and checkpointing relate; why is PyTorch moving checkpoint away from it? (forum thread "Tensor.requires_grad in torch.autograd.Function") | §5 |
 # | Is `ckpt_lab.checkpoint` torch's `use_reentrant=False`? | §6 |
-# | Why does drawing the graph with `show_saved=True` re-run my block? | [notebook 03](03_saved_tensor_hooks.ipynb), §4 |
 #
-# Terms. A **graph task** is one `backward()` or `autograd.grad()` call;
-# `torch._C._current_graph_task_id()` gives its id (−1 outside one). A **reentrant** checkpoint
-# (notebook 02) runs a nested backward inside its `backward`.
+# Terms: [graph task](glossary.md#graph-task), [saved tensor](glossary.md#saved-tensor),
+# [pack and unpack hooks](glossary.md#pack-unpack), [recompute](glossary.md#recompute),
+# [reentrant and non-reentrant](glossary.md#checkpoint). `phase()` below reads the graph task's id
+# with `torch._C._current_graph_task_id()`, private torch API (−1 outside a backward): no public
+# call tells whether code runs inside a backward.
 
 # %%
 import functools
@@ -51,7 +63,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from ckpt_lab import CallCounter, CheckpointError, LiveMemory, OpCounter, checkpoint
+from ckpt_lab import CallCounter, CheckpointError, LiveMemory, OpCounter, SavedTensorLog, checkpoint
+from ckpt_lab.helpers.predict import reveal
 from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.tensors import all_equal, grads, leaves
 from ckpt_lab.helpers.viz import plot_timeline, save_figure, show_dot
@@ -126,7 +139,13 @@ def draft_checkpoint_v2(function, *args):  # DRAFT 2: the first unpack re-runs o
 
 # %% [markdown]
 # On the 1,000-float chain: runs, `sin`s in backward, live bytes after forward, at the peak, and after
-# `backward(retain_graph=True)`:
+# `backward(retain_graph=True)`.
+#
+# **Predict.** After the forward, draft 2 holds 4,000 bytes (the output). How many does it hold
+# after `backward(retain_graph=True)`, `x.grad` included?
+
+# %%
+guess = None  # your guess, in bytes
 
 # %%
 def run_draft(variant):
@@ -145,13 +164,15 @@ drafts = {name: run_draft(variant) for name, variant in {
     "ckpt_lab.checkpoint": checkpoint}.items()}
 assert all(torch.equal(grad, drafts["no checkpoint"][1]) for _, grad, _ in drafts.values())
 print_table({name: r for name, (r, _, _) in drafts.items()}, list(drafts["draft 1"][0]))
+reveal(guess, drafts["draft 2"][0]["after backward(retain_graph=True)"], "bytes draft 2 holds after backward")
 
 # %% [markdown]
 # Gradients are bitwise equal (asserted); each checkpoint keeps 4,000 bytes instead of 24,000.
-# **Draft 1** re-runs at each of the 6 unpacks: **36 `sin`s**. **Draft 2** re-runs once but caches
-# all it recomputed while the graph lives: 20,000 bytes after backward, as without checkpoint, and a
-# peak 4,000 bytes higher. **The package** hands each tensor out once, so backward frees it after its
-# node (and runs one `sin` fewer: §4's early stop).
+# **Draft 1** re-runs at each of the 6 unpacks: **36 `sin`s**. **Draft 2** re-runs once but keeps
+# its cache while the graph lives: 28,000 bytes after backward, as without checkpoint: 20,000 of
+# cache (five recomputed intermediates), 8,000 of output and `x.grad`, all the package holds; and a
+# peak 4,000 bytes higher. **The package** hands each tensor out once, so backward frees it after
+# use (and runs one `sin` fewer: §4).
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 2.6))
@@ -194,7 +215,7 @@ for name, variant in {"draft 2": draft_checkpoint_v2, "ckpt_lab.checkpoint": che
 # frame's two hooks (`context_fn`: notebook 05).
 
 # %%
-show_source(checkpoint, start="replay = ReplayState")
+show_source(checkpoint, start="replay = ReplayState", stop="frame.forward_completed")
 
 # %% [markdown]
 # The frame saves the inputs **through autograd**, in `_SaveInputs`, a do-nothing
@@ -203,7 +224,7 @@ show_source(checkpoint, start="replay = ReplayState")
 # tensor), and keeps a **weak** reference to it, the tensor's shape, dtype and device, and the op
 # that made it (its `grad_fn`'s name, `frame.makers`). When backward frees a node, its handles die,
 # telling the frame that tensor is no longer needed. A forward, inspected (`frame_of` finds the
-# `Frame` behind a saved tensor's hooks):
+# `Frame` behind a saved tensor's hooks; `_raw_saved_self` is private torch API, notebook 03 §1):
 
 # %%
 x = torch.randn(1000, requires_grad=True)
@@ -234,7 +255,7 @@ show_dot(dot, "03b_ownership")
 # its tensor, so backward holds the only reference:
 
 # %%
-show_source(unpack_from_handle, start="def unpack", stop="if task not in handle.recomputed")
+show_source(unpack_from_handle, start="def unpack(handle", stop="unpack.frame = frame")
 
 # %% [markdown]
 # `recompute` re-runs the function (RNG and autocast replayed, grad on) under a second pack hook
@@ -278,6 +299,19 @@ for k in (1, 2):
     out.sum().backward(retain_graph=True)
     print(f"after backward {k}: runs {counter.count} | handles holding a tensor:",
           sum(bool(ref().recomputed) for ref in frame.handles if ref() is not None))
+
+# %% [markdown]
+# The exercise's grader runs a small MLP block and the six-`sin` chain: nothing the block made kept
+# after the forward, one re-run with grad on, nothing held after backward, gradients bit for bit (a
+# second backward, `autograd.grad`, a frozen input, dropout), no hook left behind on an error.
+
+# %% [markdown]
+# **Your turn.** Write `checkpoint(function, *args)` on saved-tensor hooks in `exercises/03b_checkpoint.py` (open it from the file browser); then run the cell below: it grades your file with this notebook's instruments.
+
+# %%
+from ckpt_lab.exercises import check
+
+check("03b-checkpoint", "exercises/03b_checkpoint.py")
 
 # %% [markdown]
 # ## 3. The limits of notebook 02, gone
@@ -407,58 +441,82 @@ print(*(f"{name:27} inner input by keyword: kept {nested_case(variant, True)[1]:
 # %% [markdown]
 # ## 4. Early stop, and the determinism check
 #
-# After the last handle backward still needs, the re-run stops. A block with a dead branch
-# (`_unused`, dropped when the forward returns) and a tail that saves nothing; an `OpCounter` counts
-# the ops the re-run ran:
+# A re-run can stop once it has recomputed what backward needs. A block with a dead branch
+# (`_unused`, dropped when the forward returns) and a tail that saves nothing:
 
 # %%
 def block_with_tail(x):
     y = x.sin().exp()  # sin saves x and exp its result: backward needs both
     _unused = y.tanh()  # saves its result, but `_unused` dies with the forward
     return y * 2 + 1  # saves nothing
+with SavedTensorLog() as log:
+    block_with_tail(torch.randn(1000, requires_grad=True))
+print("tensors the forward saves:", log.count)
 
+# %% [markdown]
+# **Predict.** Backward needs two of the three. Of the block's four steps (`sin`, `exp`, `tanh`, the
+# tail), how many does torch's re-run run? An `OpCounter` counts the ops each re-run ran.
+
+# %%
+guess = None  # your guess: a number of steps, 1 to 4
+
+# %%
 stages = {"sin": "sin", "exp": "exp", "tanh": "tanh\n(dead branch)", "add": "* 2 + 1\n(tail)"}
-rows = {"forward": [("forward", text) for text in stages.values()]}
+rows, steps_ran = {"forward": [("forward", text) for text in stages.values()]}, {}
 for name, variant in {"reentrant_checkpoint": reentrant_checkpoint, **hook_based}.items():
     out = variant(block_with_tail, torch.randn(1000, requires_grad=True))
     with OpCounter() as ops:
         out.sum().backward()  # sin, exp, tanh and add occur in backward only in a re-run
     ran = {op: ops.counts[op] for op in stages}
+    steps_ran[name] = sum(map(bool, ran.values()))
     print(f"{name:27} ops the re-run ran: {ran}")
-    rows[f"{name} re-run:\n{sum(map(bool, ran.values()))} of {len(stages)} steps"] = [
+    rows[f"{name} re-run:\n{steps_ran[name]} of {len(stages)} steps"] = [
         ("recompute" if ran[op] else "skipped", text) for op, text in stages.items()]
+reveal(guess, steps_ran["torch, use_reentrant=False"], "steps torch's re-run ran")
 draw_steps(rows, "03b_early_stop")
 
 # %% [markdown]
-# The reentrant re-run runs everything: its nested backward starts from the output. The hook-based
-# ones stop after `exp`; `ckpt_lab` before the `tanh`, whose handle died with `_unused`.
+# Where each stops, and why:
 #
-# The price of stopping by position: the re-run must save the same tensors in the same order, each
-# checked against the forward's shape, dtype and device, and (ours) the op that made it. A function
-# branching on a counter (all of `x` on its first call, `x[:2]` later) fails the check; torch's
-# reentrant variant checks nothing and is wrong; ours compares the re-run's outputs with the forward's:
+# * The **reentrant** re-run runs all four: its nested backward starts from the rebuilt output.
+# * **torch's** stops once it has saved as many tensors as the forward did (`_recomputation_hook`'s
+#   pack hook in
+#   [torch/utils/checkpoint.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/utils/checkpoint.py):
+#   `recomp_counter[gid] == len(weak_holders)`). The count includes `tanh`'s result, whose holder
+#   backward already freed: three steps, the third for nothing.
+# * **Ours** stops at the last handle still alive, `exp`'s result (`stop_at` in §2's listing): two.
+#
+# Stopping by position needs the re-run to save the same tensors in the same order. torch compares
+# each one's shape, dtype and device with the forward's; ours also the op that made it. A re-run
+# that takes another path with the same shapes (a `cos` between `sin` and `exp` from the second call
+# on) gets past torch: it would save three tensors where the forward saved two, and early stop ends
+# it after two. The reentrant variants keep none of the block's tensors to compare; ours compares
+# the outputs:
 
 # %%
-counts_its_calls = lambda x, calls: (x if next(calls) == 1 else x[:2]).sin().sum()
+def cos_on_rerun(x, calls):  # sin, then exp; from the second call on, a cos between them
+    y = x.sin()
+    if next(calls) > 1:
+        y = y.cos()
+    return y.exp()
 x = torch.randn(3, requires_grad=True)
-try:
-    checkpoint(counts_its_calls, x, itertools.count(1)).backward()
-except CheckpointError as error:
-    print("ckpt_lab.checkpoint: CheckpointError:", error)
-torch_reentrant(functools.partial(counts_its_calls, calls=itertools.count(1)), x).backward()
-print("torch, use_reentrant=True: no error; gradient equal to cos(x):",
-      torch.allclose(x.grad, x.detach().cos()), "| zeros in the gradient:", int((x.grad == 0).sum()))
-try:
-    reentrant_checkpoint(functools.partial(counts_its_calls, calls=itertools.count(1)), x).backward()
-except CheckpointError as error:
-    print("reentrant_checkpoint: CheckpointError:", str(error).split(". The function")[0])
+expected = torch.autograd.grad(cos_on_rerun(x, itertools.count(1)).sum(), x)[0]
+for name, variant in {**hook_based, "reentrant_checkpoint": reentrant_checkpoint,
+                      "torch, use_reentrant=True": torch_reentrant}.items():
+    x.grad = None
+    try:
+        variant(functools.partial(cos_on_rerun, calls=itertools.count(1)), x).sum().backward()
+        print(f"{name:27} no error; gradient correct: {torch.equal(x.grad, expected)}")
+    except CheckpointError as error:
+        print(f"{name:27} CheckpointError:", str(error).split(" The checkpointed")[0].split(". The function")[0])
 
 # %% [markdown]
-# The error opens with torch's sentence for the same failure, so a search for either finds both, then
-# says where the runs parted (the op that made the saved tensor, and the re-run's line); `debug=True`
-# adds the ops of the forward and of the re-run side by side, each with its line of code. With torch's
-# reentrant variant the third element, unused by the re-run, got gradient 0 instead of cos(x₂); ours
-# compares each output's shape, dtype, device and norm (one reduction in the forward, one in backward).
+# torch's two variants return wrong gradients without a word; ours raise, saying where the paths
+# parted (`debug=True` adds the aten ops of both runs side by side, each with its line). The cost, in
+# the benchmark's paired time ratios: the non-reentrant check (a name per saved tensor, compared in
+# the re-run) stays within about 2% on its workloads; the reentrant one (a norm per output in the
+# forward and in backward) costs up to 12% on small blocks. `determinism_check="none"` turns either
+# off.
 #
 # ## 5. Why PyTorch moved checkpointing away from `autograd.Function`
 #
@@ -521,13 +579,16 @@ show_dot("digraph { node [shape=box, fontname=Helvetica, fontsize=11]; " + " ".j
 # storing handles. Why hooks, as measured: **no reentrancy** (§3.2, §3.4); **no input-requires-grad
 # rule** (§3.1); **early stop** (§4, §6); **a check** of the re-run (§4); and **hooks compose**:
 # nesting (§3.4), selective checkpointing (a `context_fn`, notebook 05, refused for the reentrant
-# variant, §6), and `torch.compile`, which traces the call into a higher-order op that checkpoints
-# with `use_reentrant=False` whatever the user passed (`tag_activation_checkpoint_impl` in torch's
-# `torch/_higher_order_ops/wrap.py`):
+# variant, §6), and `torch.compile`, whose higher-order op checkpoints with `use_reentrant=False`
+# whatever the user passed, and with `preserve_rng_state=False`, leaving the re-run's random numbers
+# to the partitioner's handling of random ops (notebook 08 §2.1). `tag_activation_checkpoint_impl`
+# in
+# [torch/_higher_order_ops/wrap.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/_higher_order_ops/wrap.py)
+# (a private module: no public name shows the rule) sets both:
 
 # %%
 print(*(line.strip() for line in inspect.getsource(tag_activation_checkpoint_impl).splitlines()
-        if 'kwargs["use_reentrant"]' in line))
+        if line.strip().startswith(('kwargs["use_reentrant"]', 'kwargs["preserve_rng_state"]'))), sep="\n")
 
 # %% [markdown]
 # ## 6. Side by side with `torch.utils.checkpoint(..., use_reentrant=False)`
@@ -584,6 +645,6 @@ for column in ("retained", "peak", "peak with grads"):
 # | How does a checkpoint use hooks? | pack stores an empty handle; the first unpack re-runs the block once, filling the live handles, each handed out once (§1, §2) |
 # | Who owns what? | graph nodes own the handles; the frame, weak references, metadata, RNG state and the inputs (§2) |
 # | Frozen inputs, `autograd.grad`, `backward(inputs=...)`, keywords, nesting? | all work; the reentrant variant fails on each (§3) |
-# | The whole block re-run? A different re-run? | it stops at the last handle needed; a difference raises `CheckpointError` (§4) |
+# | The whole block re-run? Another path? | reentrant: all; torch's: until it has saved as many tensors as the forward; ours: until the last handle needed. Another path: ours raise `CheckpointError`, torch's give wrong gradients (§4) |
 # | Why leave `autograd.Function`? | it hides the parameters from the engine, so it needs a nested `.backward()` (§5) |
 # | Same as torch's `use_reentrant=False`? | same gradients, runs, `addmm`s and bytes (§6) |
