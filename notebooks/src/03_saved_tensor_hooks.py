@@ -234,9 +234,10 @@ reveal(guess, outcomes["identity hooks"][0], "error under identity hooks")
 #   `save_on_cpu` on a CPU tensor, where `.cpu()` is the tensor, §3) hands backward the modified
 #   value.
 # * **Every hook-based checkpoint** stores handles, which carry no version either. Ours and torch's
-#   keep the check for the block's *inputs* by saving them through autograd outside their own hooks
-#   (the `checkpoint(sin)` row raises); inside an enclosing pair of hooks, an offload or an outer
-#   checkpoint, those inputs pass through that pair and the check is gone (the last row).
+#   (`_CheckpointFrame.save_inputs` in `torch/utils/checkpoint.py`) keep the check for the block's
+#   *inputs* by saving them as saved tensors outside their own hooks (the `checkpoint(sin)` row
+#   raises); inside an enclosing pair of hooks, an offload or an outer checkpoint, those inputs pass
+#   through that pair and the check is gone (the last row).
 #
 # ## 2. Pack and unpack hooks
 #

@@ -303,7 +303,8 @@ for k in (1, 2):
 # %% [markdown]
 # The exercise's grader runs a small MLP block and the six-`sin` chain: nothing the block made kept
 # after the forward, one re-run with grad on, nothing held after backward, gradients bit for bit (a
-# second backward, `autograd.grad`, a frozen input, dropout), no hook left behind on an error.
+# second backward, `autograd.grad`, a frozen input, dropout), the caller's random stream as without
+# checkpoint, no hook left behind on an error.
 
 # %% [markdown]
 # **Your turn.** Write `checkpoint(function, *args)` on saved-tensor hooks in `exercises/03b_checkpoint.py` (open it from the file browser); then run the cell below: it grades your file with this notebook's instruments.
