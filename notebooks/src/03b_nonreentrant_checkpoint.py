@@ -509,7 +509,8 @@ for name, variant in {**hook_based, "reentrant_checkpoint": reentrant_checkpoint
         variant(functools.partial(cos_on_rerun, calls=itertools.count(1)), x).sum().backward()
         print(f"{name:27} no error; gradient correct: {torch.equal(x.grad, expected)}")
     except CheckpointError as error:
-        print(f"{name:27} CheckpointError:", str(error).split(" The checkpointed")[0].split(". The function")[0])
+        said = str(error).split(" The checkpointed")[0].split(". The function")[0]  # up to the advice
+        print(f"{name:27} CheckpointError:", said)
 
 # %% [markdown]
 # torch's two variants return wrong gradients without a word; ours raise, saying where the paths
