@@ -367,8 +367,7 @@ plt.show()
 # ### The core: `ckpt_lab/scope_core.py`
 #
 # The drafts made right are the package's scope core, read in one sitting
-# ([`ckpt_lab/scope_core.py`](../ckpt_lab/scope_core.py), 448 lines; `ckpt_lab.scope` is it
-# hardened: 04b). Its four parts:
+# (`ckpt_lab/scope_core.py`, 448 lines; `ckpt_lab.scope` is it hardened: 04b). Its four parts:
 #
 # 1. **The tape** (`_Tape`, a dispatch mode): draft 1's tape, a *slot* per tensor instead of a
 #    storage id; a tensor from outside (an *input*) kept by reference with its version; a random op's

@@ -77,9 +77,10 @@ core_scope = scope_core.gradient_checkpoint_scope
 
 # %% [markdown]
 # Small helpers: torch's checkpoint with `use_reentrant` spelled out; the top of the
-# saved-tensors-hooks stack (private torch API, `_top_saved_tensors_default_hooks`: the stack has no
-# public reader); a weak reference to a tensor's storage; and `versus`, which runs a case without a
-# scope, with the core and with `scope.py`, and prints each result (or the core's refusal).
+# saved-tensors-hooks stack (private torch API, `_top_saved_tensors_default_hooks`, and `_pop_...` to
+# clean up after the peer: the stack has no public reader); a weak reference to a tensor's storage;
+# `versus`, which runs a case without a scope, with the core and with `scope.py`, and prints each
+# result (or the core's refusal).
 
 # %%
 def torch_checkpoint(function, *args):
