@@ -486,7 +486,7 @@ variants = {"no checkpoint": lambda block, h: block(h), "checkpoint per block": 
             "scope per block": scoped(gradient_checkpoint_scope),
             "scope core per block": scoped(scope_core.gradient_checkpoint_scope)}
 unit = 16 * 256 * 4  # one block boundary: batch × width × 4 bytes
-def chain(wrap):
+def explain_chain(wrap):
     """explain's report on a fresh 4-block MLP, each block wrapped by ``wrap``."""
     stack = mlp(4, width=256, batch=16)
     def forward(h):
@@ -495,7 +495,7 @@ def chain(wrap):
             h = wrap(block, h)
         return h
     return explain(forward, stack.input, loss_fn=lambda h: h.square().mean())
-reports = {name: chain(wrap) for name, wrap in variants.items()}
+reports = {name: explain_chain(wrap) for name, wrap in variants.items()}
 for name, report in reports.items():
     print(f"{name:<21} retained {report.retained_bytes / unit:5.2f}  peak {report.peak_bytes / unit:5.2f}")
 

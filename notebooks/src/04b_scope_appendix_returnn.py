@@ -319,7 +319,7 @@ def scoped(scope):
         with scope():
             return block(h)
     return wrap
-def chain(wrap):
+def explain_chain(wrap):
     stack = mlp(4, width=256, batch=16)
     def forward(h):
         torch.manual_seed(1)
@@ -327,8 +327,9 @@ def chain(wrap):
             h = wrap(block, h)
         return h
     return explain(forward, stack.input, loss_fn=lambda h: h.square().mean())
-reports = {"checkpoint per block": chain(ckpt_lab_checkpoint), "core per block": chain(scoped(core_scope)),
-           "scope.py per block": chain(scoped(gradient_checkpoint_scope))}
+reports = {"checkpoint per block": explain_chain(ckpt_lab_checkpoint),
+           "core per block": explain_chain(scoped(core_scope)),
+           "scope.py per block": explain_chain(scoped(gradient_checkpoint_scope))}
 
 # %% [markdown]
 # **Predict.** In one backward, how many times does `scope.py` replay (part of) scope #4, the last block?
