@@ -24,34 +24,41 @@
 # y = x * c          # x is not stored: backward re-runs a + b
 # ```
 #
-# * A `TorchDispatchMode` records the scope's aten ops; a pack hook stores a reference instead of a
-#   tensor the scope made; the first unpack replays the recording: 4,000 bytes kept, not 8,000 (§2).
+# * A `TorchDispatchMode` records the scope's [aten ops](glossary.md#aten-op); a pack hook stores a
+#   reference instead of a tensor the scope made; the first unpack replays the recording. A
+#   checkpoint keeps the same 4,000 bytes only if it wraps the consumer `* c` too (§2).
 # * `x * c` runs *after* the `with` block, so the pack hook must outlive it, on a stack where every
-#   `__exit__` pops whatever is on top: `ckpt_lab` rebuilds the stack, without patching torch (§3).
+#   `__exit__` pops whatever is on top: the scope rebuilds the stack, without patching torch, and
+#   restores it when its last tensor dies (§3). The mechanism is `ckpt_lab/scope_core.py` (§3;
+#   exercise `04-scope` rebuilds it).
 # * On four MLP blocks, a scope per block keeps one block boundary *less* than a checkpoint per
-#   block but peaks one *higher*: a scope replays all its saved tensors at the first unpack, which comes
-#   from the block's consumer, before the block's own backward: they overlap the consumer's backward
-#   temporaries (§5).
+#   block and peaks at the *same* 8; the core, which replays everything at once, at 10 (§5).
+#
+# **After this notebook you can**
+# 1. say where a `TorchDispatchMode` sees ops, and why `nn.Linear` arrives as `t`, `addmm` (checked: §1's prediction);
+# 2. compare what a scope and a checkpoint keep, for both placements of the checkpoint (checked: §2's prediction);
+# 3. say why the scope's hook outlives the `with` block, and when it goes (checked: §3's printed stacks);
+# 4. build the scope's core: tape, reference, replay in an RNG fork, resident hooks (checked: exercise `04-scope`);
+# 5. read what is alive at the peak, by role (checked: §5's prediction and ledgers).
 #
 # | question | section |
 # |---|---|
-# | What are post-autograd aten ops; why record them with a `TorchDispatchMode`? | §1 |
+# | Where does a `TorchDispatchMode` see ops, and which ones? | §1 |
 # | How does a scope that names *what to recompute* differ from a checkpoint? | §2 |
-# | How can the scope's `saved_tensors_hooks` outlive the `with` block, and be released? | §3 |
+# | How can the scope's hooks outlive the `with` block, and be released? The core, part by part | §3 |
 # | How does dropout inside the scope recompute identically (RNG fork and reset)? | §4 |
-# | What does a chain of scoped blocks keep, what runs when, and why is its peak higher? | §5 |
+# | What does a chain of scoped blocks keep, and what is alive at its peak? | §5 |
 # | What changes on a GPU? | §6 |
 # | Where do the scope's assumptions end? | §7 |
-# | More measurements; where RETURNN's own scope falls short | [04b](04b_scope_appendix_returnn.ipynb) (optional) |
+# | What `scope.py` adds to the core, and why; RETURNN's scope edge case by edge case | [04b](04b_scope_appendix_returnn.ipynb) (optional) |
 #
-# Terms: the **saved-tensors-hooks stack** is the thread-local stack of `(pack, unpack)` pairs that
-# `saved_tensors_hooks` pushes (autograd calls the top pair); a **safe point** is a moment when the
-# scope may change that stack: on its own thread, outside its hooks, outside a backward. The code is
-# in `ckpt_lab/scope.py`; `DraftScopeV1` and `DraftScopeV2` are drafts.
+# Terms: the [glossary](glossary.md) ([scope](glossary.md#scope), [pack and unpack
+# hooks](glossary.md#pack-unpack), [retained](glossary.md#retained), [peak](glossary.md#peak)). The
+# **saved-tensors-hooks stack**: the thread-local stack of `(pack, unpack)` pairs that
+# `saved_tensors_hooks` pushes; autograd calls the top pair.
 
 # %%
 import contextlib
-from itertools import pairwise
 
 import matplotlib.pyplot as plt
 import torch
@@ -62,11 +69,12 @@ from torch._C._autograd import _push_saved_tensors_default_hooks as push_hooks
 from torch._C._autograd import _top_saved_tensors_default_hooks
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-import ckpt_lab.scope
-from ckpt_lab import LiveMemory, gradient_checkpoint_scope
+from ckpt_lab import LiveMemory, explain, gradient_checkpoint_scope, scope_core
 from ckpt_lab import checkpoint as ckpt_lab_checkpoint
 from ckpt_lab.bench.workloads import mlp
+from ckpt_lab.helpers.predict import reveal
 from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.tensors import all_equal, grads, leaves
 from ckpt_lab.helpers.viz import save_figure, show_dot
@@ -76,7 +84,9 @@ from ckpt_lab.scope import inside_scope_hook, is_scope_pack_hook, pack_hook_belo
 print("torch", torch.__version__)
 
 # %% [markdown]
-# Helpers, not the lesson (the stack has no public reader: `hooks_stack` pops it and pushes it back).
+# Helpers, not the lesson. The saved-tensors-hooks stack has no public reader, so these use private
+# torch API (`torch._C._autograd._push/_pop/_top_saved_tensors_default_hooks`, what
+# `saved_tensors_hooks` itself calls): `hooks_stack` pops the stack and pushes it back.
 
 # %%
 def top_hooks():
@@ -101,8 +111,13 @@ def describe(pack):
 # %% [markdown]
 # ## 1. Below autograd: `TorchDispatchMode`
 #
-# A `TorchDispatchMode` sees every op at the bottom of PyTorch's dispatcher, *after* autograd has
-# done its part. A tiny logging mode, and a `saved_tensors_hooks` logging to the same list:
+# The [dispatcher](glossary.md#dispatcher) passes every aten op call through an ordered list of
+# dispatch keys ([`c10/core/DispatchKey.h`](https://github.com/pytorch/pytorch/blob/v2.13.0/c10/core/DispatchKey.h)):
+# autocast's and autograd's keys first, then `Python`, where a `TorchDispatchMode` runs, then the
+# kernel's (`CPU`, `CUDA`). So a mode sees ops **below autograd and above the kernels**, and only ops that
+# reach that far: a *composite* op (registered as `CompositeImplicitAutograd`, like `aten::linear`)
+# has already decomposed into others at the autograd key. (The class lives in
+# `torch.utils._python_dispatch`, a private-looking module; the class itself is documented.)
 
 # %%
 class LoggingMode(TorchDispatchMode):
@@ -115,7 +130,26 @@ class LoggingMode(TorchDispatchMode):
         self.grad_fn_seen |= isinstance(out, torch.Tensor) and out.grad_fn is not None
         return out
 _ = torch.manual_seed(0)
-lin, x, log = nn.Linear(4, 3), torch.randn(2, 4, requires_grad=True), []
+lin, x = nn.Linear(4, 3), torch.randn(2, 4, requires_grad=True)
+
+# %% [markdown]
+# **Predict.** `lin(x)` calls `F.linear`. Which aten ops does the mode see for it (a list of names)?
+
+# %%
+guess = None  # your guess, e.g. ["linear"]
+
+# %%
+with LoggingMode(linear_log := []):
+    out = lin(x)
+reveal(guess, linear_log, "aten ops the mode sees for lin(x)")
+print("the node autograd recorded:", type(out.grad_fn).__name__)
+
+# %% [markdown]
+# `aten::linear` never reaches the mode: it decomposed into `t` and `addmm` above autograd, which
+# recorded an `AddmmBackward0`. Now a whole step, with a `saved_tensors_hooks` logging to the same list:
+
+# %%
+log = []
 with saved_tensors_hooks(lambda t: log.append("PACK") or t, lambda t: log.append("UNPACK") or t):
     with LoggingMode(log) as mode:
         loss = F.relu(lin(x)).sin().sum()  # relu saves its output, sin its input
@@ -126,68 +160,86 @@ print("backward:", log)
 print("an op's output had a grad_fn down there:", mode.grad_fn_seen)
 
 # %% [markdown]
-# These are *post-autograd aten ops*: `nn.Linear` arrives as `t`, `addmm`; backward's ops pass
-# here too; no output has a `grad_fn`, so an op re-run from here builds no graph. The hooks fire one
-# layer up, in autograd: `addmm`'s inputs are packed *before* it reaches the mode, `relu`'s output
-# *after*; each `UNPACK` comes before the backward ops that use the tensor:
+# Backward's ops pass here too; no output has a `grad_fn`, so an op re-run from here builds no
+# graph. The hooks fire one layer up, in autograd: `addmm`'s inputs are packed *before* it reaches
+# the mode, `relu`'s output *after*; each `UNPACK` comes before the backward ops that use it:
 
 # %%
 order = f"measured, forward:\\l{' → '.join(forward_log)}\\lbackward: {' → '.join(log[:8])} …\\l"
 show_dot(f"""digraph {{ node [shape=box, style="rounded,filled", fillcolor=white, fontname=Helvetica];
  edge [fontname=Helvetica, fontsize=10]; py [label="Python: F.relu(lin(x)).sin().sum()"];
- ag [label="autograd kernel\\nbuilds grad_fn, saves tensors"];
+ ag [label="Autograd key: composite ops decompose\\n(linear → t, addmm); builds grad_fn, saves tensors"];
  hooks [label="saved_tensors_hooks, top entry\\npack (forward), unpack (backward)\\nscope: _PackHook",
         fillcolor="#9ecae1"];
- mode [label="TorchDispatchMode.__torch_dispatch__\\nLoggingMode here; scope: records (op, args)",
+ mode [label="Python key: TorchDispatchMode.__torch_dispatch__\\nLoggingMode here; scope: records (op, args)",
        fillcolor="#e6a23c"];
- aten [label="aten kernel (CPU, CUDA)"]; order [shape=note, fillcolor="#f7f7f7", label="{order}"];
+ aten [label="kernel (CPU, CUDA keys)"]; order [shape=note, fillcolor="#f7f7f7", label="{order}"];
  py -> ag -> mode -> aten; ag -> hooks [label=" inputs: before\\l outputs: after\\l"];
  {{rank=same; ag; hooks}} {{rank=same; aten; order}} }}""", "04_dispatch_layers")
 
 # %% [markdown]
 # So the scope records here: a flat list of `(op, arguments)` that replays **without the user's
-# Python code** (`x = a + b` has long returned when backward needs `x`) and **without autograd**;
-# when autograd packs a tensor, the mode has already recorded the op that made it.
+# Python code** and **without autograd**; when autograd packs a tensor, the mode has already
+# recorded the op that made it.
 #
 # ## 2. Scope versus checkpoint on the API page's example
 #
-# `x = a + b` inside, `y = x * c` after; `mul` saves both inputs. `torch.utils.checkpoint` can only
-# wrap `a + b` as a function, whose output `x` `mul` then stores; the scope recomputes `x` itself.
-# Live bytes after the forward, with `x` dropped by the user:
+# `x = a + b`, then `y = x * c`; `mul` saves both its inputs. Three placements, each measured by
+# the bytes alive after the forward (`x` dropped): a checkpoint around `a + b` only, the API page's
+# own `checkpoint(lambda: (a + b) * c)`, and the scope around `a + b`.
 
 # %%
-def api_page_example(scope):
-    """Live bytes after the forward (the user's x dropped), and the gradients."""
+def api_page_example(placement):
+    """Live bytes after the forward (the user's x gone), and the gradients."""
     _ = torch.manual_seed(0)
     a, b, c = leaves((1000,), (1000,), (1000,))
     with LiveMemory() as mem:
-        if scope == "checkpoint":
-            x = torch.utils.checkpoint.checkpoint(torch.add, a, b, use_reentrant=False)
-        else:
-            with scope():
-                x = a + b
-        y = x * c
-        del x
+        y = placement(a, b, c)
         kept = mem.live_bytes
         y.sum().backward()
     return kept, grads(a, b, c)
-ckpt_bytes, ckpt_grads = api_page_example("checkpoint")
-scope_bytes, scope_grads = api_page_example(gradient_checkpoint_scope)
-print("live bytes after forward, torch.utils.checkpoint:", ckpt_bytes, "(x and y)")
-print("live bytes after forward, scope:", scope_bytes, "(y only)")
-print("gradients equal:", all_equal(ckpt_grads, scope_grads))
+def in_scope(scope):
+    def placement(a, b, c):
+        with scope():
+            x = a + b
+        return x * c
+    return placement
+placements = {
+    "checkpoint around a + b": lambda a, b, c: torch_checkpoint(torch.add, a, b, use_reentrant=False) * c,
+    "the page's checkpoint, (a + b) * c": lambda a, b, c: torch_checkpoint(lambda: (a + b) * c,
+                                                                           use_reentrant=False),
+    "scope around a + b": in_scope(gradient_checkpoint_scope),
+}
+measured = {name: api_page_example(placement) for name, placement in placements.items()}
+for name in ("checkpoint around a + b", "scope around a + b"):
+    print(f"live bytes after forward, {name}:", measured[name][0])
 
 # %% [markdown]
-# A checkpoint says *what to store* (its inputs and outputs) and recomputes everything between; the
-# scope says *what to recompute* (everything made inside it) and leaves the rest to autograd.
-#
+# **Predict.** The page's own placement, `checkpoint(lambda: (a + b) * c)`: how many bytes are alive
+# after its forward?
+
+# %%
+guess = None  # your guess, in bytes
+
+# %%
+reveal(guess, measured["the page's checkpoint, (a + b) * c"][0], "bytes after the page's checkpoint")
+scope_grads = measured["scope around a + b"][1]
+print("gradients of the three equal:", all(all_equal(scope_grads, g) for _, g in measured.values()))
+
+# %% [markdown]
+# Placed as the page places it, the checkpoint keeps what the scope keeps: `y` (`mul`'s `x` is
+# recomputed, `c` is a leaf). Around `a + b` alone it returns `x`, which `mul` then stores. The
+# difference is the **shape of the API**: a checkpoint says *what to store* (its inputs and outputs)
+# and must be a function that *includes the consumer* `* c`; the scope says *what to recompute*
+# and leaves the consumer after the block.
+
+# %% [markdown]
 # ## 3. Building the scope
 #
-# ### Draft 1: record, hand out handles, replay, and pop the hooks at `__exit__`
+# ### Draft 1: record, store positions, replay, and pop the hooks at `__exit__`
 #
 # The mode records the ops on a tape; the pack hook stores, for a tensor the scope made (known by
-# its storage), the position of the op that made it; the unpack hook replays the tape. Draft 1
-# pushes its hooks in `__enter__` and pops them in `__exit__`:
+# its storage), the position of the op that made it; the unpack hook replays the tape.
 
 # %%
 class Made(int):
@@ -220,18 +272,18 @@ class DraftScopeV1(TorchDispatchMode):
         return values[packed]
 
 # %%
-print("x * c after the scope | draft 1:", api_page_example(DraftScopeV1)[0], "B | ckpt_lab:",
-      scope_bytes, "B | hooks left after draft 1:", top_hooks() is not None)
+print("x * c after the scope | draft 1:", api_page_example(in_scope(DraftScopeV1))[0], "B | ckpt_lab:",
+      measured["scope around a + b"][0], "B | hooks left after draft 1:", top_hooks() is not None)
 
 # %% [markdown]
-# `y = x * c` runs after `__exit__` popped the hooks, so `mul` stores `x`: 8,000 bytes.
+# `y = x * c` runs after `__exit__` popped the hooks, so `mul` stores `x`.
 #
 # ### Draft 2: leave the hooks pushed at `__exit__`
 #
-# Then `x * c` goes through our pack hook. But torch's `saved_tensors_hooks.__exit__` is one line,
-# `_pop_saved_tensors_default_hooks()`: it pops whatever is on top. So inside an enclosing
-# `saved_tensors_hooks` (a logging hook, `save_on_cpu`, a checkpoint), the enclosing `__exit__` pops
-# *draft 2's* entry, and its own stays:
+# Then `x * c` goes through our pack hook. But `saved_tensors_hooks.__exit__` is one line,
+# `_pop_saved_tensors_default_hooks()`: it pops whatever is on top. Inside an enclosing
+# `saved_tensors_hooks` (a logging hook, `save_on_cpu`, a checkpoint), its `__exit__` pops *draft
+# 2's* entry, and its own stays:
 
 # %%
 class DraftScopeV2(DraftScopeV1):
@@ -243,7 +295,7 @@ def log_pack(t):
     logged.append(t.shape)
     return t
 
-print("x * c after the scope | draft 2:", api_page_example(DraftScopeV2)[0], "B")
+print("x * c after the scope | draft 2:", api_page_example(in_scope(DraftScopeV2))[0], "B")
 clear_hooks()
 logged = []
 a, b, c = leaves((1000,), (1000,), (1000,))
@@ -263,28 +315,12 @@ del x, y, z
 # Two silent failures: the enclosing hook was bypassed (0 packs, not 1: under `save_on_cpu`, a
 # tensor left on the GPU), and the *user's* hook stays active forever.
 #
-# ### The package: record, pack, replay
-#
-# * **Recording** (`_RecordingMode`): draft 1's tape, plus version checks of the outside tensors it
-#   reads and in-place writes to outside tensors replayed into a copy.
-# * **Packing** (`_PackHook`, below): a scope tensor becomes a `_ScopeTensorRef`; any other goes to
-#   the hook this entry stands in for (`below`), or is stored as autograd would store it.
-# * **Replaying** (`_Replayer`): the *first* unpack of a backward replays the recording **once**, in
-#   an RNG fork, and keeps the recomputed tensor of *every* slot a live reference wants: "all at
-#   once" decides the peak in §5.
-#
-# The end of the pack hook, after it has looked the tensor up (`ref` is None unless a scope made it):
-
-# %%
-show_source(ckpt_lab.scope, start="if ref is not None", stop="finally")
-
-# %% [markdown]
 # ### The hard part: hooks that outlive the `with` block
 #
 # Our entry must stay after the scope closes, yet every enclosing context must pop *its own*. So a
 # scope that closes with its tensors alive rebuilds the stack: a **resident entry** of ours at the
-# *bottom*, every entry above it **wrapped** (a `_PackHook` whose `below` is the original pair: scope
-# tensors to us, the rest to it). Each `__exit__` pops its wrapper:
+# *bottom*, every entry above it **wrapped** (a pack hook of ours whose `below` is the original
+# pair: scope tensors to us, the rest to it). Each `__exit__` pops its wrapper:
 
 # %%
 a, c = leaves((100,), (100,))
@@ -299,9 +335,8 @@ with saved_tensors_hooks(log_pack, lambda t: t):
 stacks["user's with closed"] = hooks_stack()
 del x
 stacks["x deleted (y's ref is not x)"] = hooks_stack()
-y.sum().backward()
-del y
-stacks["after backward"] = hooks_stack()
+y.sum().backward()  # the replay needs no hook on the stack: y's graph holds the reference
+print("y's backward after the release, a.grad equals c * cos(a):", torch.equal(a.grad, c * a.detach().cos()))
 for moment, stack in stacks.items():
     print(f"{moment:<30}", stack)
 
@@ -319,32 +354,62 @@ for column, (moment, stack) in enumerate(stacks.items()):
 ax.set(xlim=(-0.1, 1.6 * len(stacks)), ylim=(-1.1, 2.1), title="the saved-tensors-hooks stack at each moment")
 ax.axis("off")
 save_figure(fig, "04_hooks_stack")
-plt.close(fig)
+plt.show()
 
 # %% [markdown]
-# ![the saved-tensors-hooks stack at each moment](../images/04_hooks_stack.png)
+# The release needs no call: when `x`, the last scope tensor, died (a `weakref` callback), the
+# resident entry went, at a [safe point](glossary.md#safe-point) (this thread, outside our hooks,
+# outside a backward), and the stack is as if we had never been there, *before* backward: `y`'s
+# graph holds a reference to the tape, not a hook. (RETURNN's scope has an
+# `exit_saved_tensors_hooks_scope()` for this; 04b's "Hooks that outlive the block" says why ours
+# needs none, and what happens when the last scope tensor dies inside a backward.)
 #
-# When `x`'s storage died (a `weakref` callback), the resident entry was taken out, at a safe point:
-# the stack is as if we had never been there (`_restack` rebuilds it). If the last scope tensor dies
-# *inside* a backward, the release waits until backward returns (04b, M.1).
+# ### The core: `ckpt_lab/scope_core.py`
+#
+# The drafts made right are the package's scope core, read in one sitting
+# (`ckpt_lab/scope_core.py`, 448 lines; `ckpt_lab.scope` is it hardened: 04b). Its four parts:
+#
+# 1. **The tape** (`_Tape`, a dispatch mode): draft 1's tape, a *slot* per tensor instead of a
+#    storage id; a tensor from outside (an *input*) kept by reference with its version; a random op's
+#    generator state (§4). New memory an op returns with grad on is a *scope tensor*, registered
+#    weakly by identity.
+# 2. **The pack hook's reference** (`_PackHook`, `_scope_ref`, `_Ref`): a scope tensor (or a view
+#    of one) becomes a `_Ref` (tape, slot); anything else goes to the pair below, or is stored:
+
+# %%
+show_source(scope_core, start="ref = _scope_ref(tensor)", stop="finally")
+
+# %% [markdown]
+# 3. **The replay** (`_serve`, `_replay`): the first unpack of a backward re-runs the **whole** tape
+#    in an RNG fork, grad and autocast off, checks each tensor's metadata, and keeps what live
+#    references want until each is handed out:
+
+# %%
+show_source(scope_core, start="with torch.no_grad(), autocast_off", stop="tape.pending = ")
+
+# %% [markdown]
+# 4. **The resident hooks** (`_Hooks.restack`, `release_if_idle`, an after-backward callback): the
+#    stack rebuilt as pictured above, put back when the last scope tensor dies at a safe point.
+#
+# Where the core takes the simple way (replay everything, keep every input, refuse writes to
+# inputs), a "Simple way:" comment says what the other way costs and where `scope.py` takes it.
 
 # %% [markdown]
 # ## 4. RNG: dropout inside the scope
 #
-# The scope records, before each random op, the state of the generator it draws from (CPU, and
-# every *initialised* accelerator); the replay sets that state back before re-running the op, in a
-# `fork_rng`-style fork: the forward's masks (even if the code reseeds between them: last cell of
-# this section), and the caller's stream untouched. A mode logs each dropout mask (`bernoulli_`) and
-# the state before it:
+# The scope records, before each random op, the state of the generator it draws from; the replay
+# sets that state back before re-running the op, in a `fork_rng`-style fork: the forward's masks
+# (even if the code reseeds between them: last cell of this section), and the caller's stream
+# untouched. A mode logs each dropout mask (`bernoulli_`) and the state before it; `inside_scope_hook()`
+# tells a replay's ops from the forward's:
 
 # %%
 class DropoutLog(TorchDispatchMode):  # (forward or replay, the CPU generator's state before, the mask)
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         state = torch.get_rng_state()
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket.__name__ == "bernoulli_":  # a replay runs inside backward's graph task
-            in_backward = torch._C._current_graph_task_id() != -1
-            draws.append(("replay" if in_backward else "forward", state, out.clone()))
+        if func.overloadpacket.__name__ == "bernoulli_":
+            draws.append(("replay" if inside_scope_hook() else "forward", state, out.clone()))
         return out
 def dropout_case(scope):
     _ = torch.manual_seed(0)
@@ -394,126 +459,107 @@ print("reseeded inside the scope, gradients bitwise equal:",
       all_equal(reseeded(contextlib.nullcontext), reseeded(gradient_checkpoint_scope)))
 
 # %% [markdown]
-# ## 5. Memory on a chain of scoped blocks: what is kept, what runs when
-#
-# The benchmark (README) found that a scope per block retains *less* than a checkpoint per block but
-# peaks *higher*. Here on four of its MLP blocks (Linear, GELU, Dropout; width 256, batch 16) and
-# the loss `h.square().mean()`, which saves the last output. Peak: gradients excluded; unit: one
-# *block boundary* (a block's output).
+# **Your turn.** Build the scope's core in `exercises/04_scope.py` (open it from the file browser):
+# `gradient_checkpoint_scope`, a context manager. The cell below grades it with the same mechanism
+# checks the package's two scopes pass.
 
 # %%
-def scoped_block(block, h):
-    with gradient_checkpoint_scope():
-        return block(h)
+from ckpt_lab.exercises import check
+
+check("04-scope", "exercises/04_scope.py")
+
+# %% [markdown]
+# ## 5. Memory on a chain of scoped blocks: what is alive at the peak
+#
+# The benchmark (README) runs a scope per block against a checkpoint per block. Here on four of its
+# MLP blocks (Linear, GELU, Dropout; width 256, batch 16) and the loss `h.square().mean()`, which
+# saves the last output. `explain` measures each variant; its peak ledger (`report.peak_ledger`)
+# lists every storage alive at the peak by role. Unit: one *block boundary* (a block's output).
+
+# %%
+def scoped(scope):
+    def wrap(block, h):
+        with scope():
+            return block(h)
+    return wrap
 variants = {"no checkpoint": lambda block, h: block(h), "checkpoint per block": ckpt_lab_checkpoint,
-            "scope per block": scoped_block}
+            "scope per block": scoped(gradient_checkpoint_scope),
+            "scope core per block": scoped(scope_core.gradient_checkpoint_scope)}
 unit = 16 * 256 * 4  # one block boundary: batch × width × 4 bytes
-def chain_forward(wrap, mem):
-    """A fresh 4-block MLP (built here, before the measurement) and its forward, which returns the loss."""
+def explain_chain(wrap):
+    """explain's report on a fresh 4-block MLP, each block wrapped by ``wrap``."""
     stack = mlp(4, width=256, batch=16)
-    def forward():
+    def forward(h):
         torch.manual_seed(1)  # the same dropout masks for every variant
-        h = stack.input
-        for k, block in enumerate(stack.blocks, 1):
+        for block in stack.blocks:
             h = wrap(block, h)
-            mem.name_output(h, f"h{k}")
-        return h.square().mean()
-    return forward
+        return h
+    return explain(forward, stack.input, loss_fn=lambda h: h.square().mean())
+reports = {name: explain_chain(wrap) for name, wrap in variants.items()}
+for name, report in reports.items():
+    print(f"{name:<21} retained {report.retained_bytes / unit:5.2f}  peak {report.peak_bytes / unit:5.2f}")
 
 # %% [markdown]
-# An instrument: a `LiveMemory` that names every storage (its op; `h1`…`h4` for block outputs; `h1'`…
-# for equal tensors a recomputation makes) and records what runs at every event:
+# **Predict.** The scope per block keeps one boundary less than the checkpoint per block. Is its
+# peak above, equal to, or below the checkpoint's?
 
 # %%
-class NamedMemory(LiveMemory):
-    def __init__(self):
-        super().__init__()
-        self.names, self.outputs, self.kinds = {}, {}, []  # kinds: (first event, what runs), per op
-    def name_output(self, h, name):
-        self.names[self.serial_of(h)] = name
-        with torch.utils._python_dispatch._disable_current_modes():
-            self.outputs[name] = h.detach().clone()  # a copy this instrument does not count
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        first = len(self.events)
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        # in_hook: one of the scope's hooks (and so its replay) is running
-        recompute = self.phase == "backward" and (inside_scope_hook() or torch.is_grad_enabled())
-        self.kinds.append((first, "recompute" if recompute else self.phase))
-        copy = next((n + "'" for n, t in self.outputs.items() if recompute and isinstance(out, torch.Tensor)
-                     and out.shape == t.shape and torch.equal(out, t)), None)
-        for serial, sign, _ in self.events[first:]:
-            if sign > 0:
-                self.names[serial] = copy or func.overloadpacket.__name__
-        return out
+guess = None  # "above", "equal" or "below"
 
 # %%
-def named_timeline(wrap):
-    """Retained bytes; live bytes per event (gradients excluded); names of a boundary or more alive."""
-    mem = NamedMemory()
-    forward = chain_forward(wrap, mem)
-    with mem:
-        loss = forward()
-        retained, mem.phase = mem.snapshot("forward"), "backward"
-        loss.backward()
-        del loss
-    excluded, alive, named = mem.born_in("backward"), set(), []  # excluded: the .grad of leaves
-    for serial, sign, _ in mem.events:
-        (alive.add if sign > 0 else alive.discard)(serial)
-        named.append(sorted(mem.names[s] for s in alive - excluded if mem.nbytes(s) >= unit // 2))
-    return mem, retained, mem.curve(excluded), named
-timelines = {name: named_timeline(wrap) for name, wrap in variants.items()}
-for name, (mem, retained, curve, named) in timelines.items():
-    at = curve.index(max(curve))
-    print(f"{name:<20} retained {retained / unit:5.2f}  peak {max(curve) / unit:5.2f}",
-          f"(in {mem.events[at][2]})")
-    if name != "no checkpoint":
-        print("    alive at the peak (a boundary or more):", *named[at])
-scope_mem, _, scope_curve, scope_named = timelines["scope per block"]
-print("events at which a block output and its recomputed copy are both alive:",
-      sum(any(n + "'" in names for n in names) for names in scope_named))
+peaks = [round(reports[name].peak_bytes / unit, 2) for name in ("scope per block", "checkpoint per block")]
+reveal(guess, "above" if peaks[0] > peaks[1] else "equal" if peaks[0] == peaks[1] else "below",
+       "the scope's peak against the checkpoint's")
+for name in ("checkpoint per block", "scope per block"):
+    ledger = reports[name].peak_ledger
+    print(f"{name}, the peak during {ledger.during}; alive, by role (boundaries):")
+    for role, size in ledger.roles.items():
+        ops = [row.op for row in ledger.rows if row.label == role]
+        print(f"    {size / unit:4.2f}  {role.split(' (')[0]:<40}", *ops)
 
 # %%
-fig, (ax, strip) = plt.subplots(2, 1, figsize=(11, 4.2), sharex=True, height_ratios=[4, 1])
-for name, (_, _, curve, _) in list(timelines.items())[1:]:
-    ax.step(range(len(curve)), [v / unit for v in curve], where="post", label=name)
-ax.annotate("scope's peak: the loss's backward\nunpacks h4, scope 4 replays it all",
-            (scope_curve.index(max(scope_curve)), max(scope_curve) / unit),
-            xytext=(40, -6), textcoords="offset points", fontsize=8, arrowprops={"arrowstyle": "->"})
-ax.set_ylabel("live (block boundaries)")
+fig, ax = plt.subplots(figsize=(11, 3.4))
+for name, style in (("checkpoint per block", {"lw": 2.5, "alpha": 0.6}), ("scope per block", {"lw": 1.2})):
+    t = reports[name].timeline  # events counted from the start of backward, so that the phases line up
+    ax.step([i - t.backward_start for i in range(len(t.live_bytes))], [b / unit for b in t.live_bytes],
+            where="post", label=f"{name} (peak {t.peak_bytes / unit:.2f})", **style)
+t = reports["scope per block"].timeline
+for k, span in enumerate(t.spans):
+    ax.axvspan(span.start - t.backward_start, span.stop + 0.6 - t.backward_start, color="#e6a23c",
+               alpha=0.35, lw=0, label="scope's replays" if k == 0 else None)
+    if k < 2:
+        ax.text(span.start - t.backward_start, 0.3, ("block 4\nfor the loss", "block 4\nits own")[k],
+                fontsize=7)
+ax.axvline(0, color="grey", ls="--", lw=0.8)
+ax.annotate("the scope's peak: block 4 replayed\nfor the loss, beside h1-h3 and div",
+            (t.peak_index - t.backward_start, t.peak_bytes / unit), xytext=(60, -4),
+            textcoords="offset points", fontsize=8, arrowprops={"arrowstyle": "->"})
+ax.set(xlabel="event (a storage born or freed), from the start of backward",
+       ylabel="live (block boundaries)")
 ax.legend(loc="upper left", fontsize=8)
-colours = {"forward": "#bdbdbd", "recompute": "#e6a23c", "backward": "#6baed6"}
-for (start, kind), (stop, _) in pairwise([*scope_mem.kinds, (len(scope_mem.events), "end")]):
-    strip.axvspan(start, max(stop, start + 0.6), color=colours[kind], lw=0)
-strip.set(yticks=[], ylabel="scope:\nwhat runs", xlabel="event (a storage born or freed)")
-handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-strip.legend(handles, ["forward", "replay (recompute)", "backward"], loc="upper right", fontsize=7, ncol=3)
-fig.tight_layout()
 save_figure(fig, "04_chain_timeline")
-plt.close(fig)
+plt.show()
 
 # %% [markdown]
-# ![live memory over a 4-block chain, checkpoint per block vs scope per block](../images/04_chain_timeline.png)
+# **What runs when**, for the scope per block (the shaded spans):
 #
-# **What runs when**, for the scope per block (the strip under the plot):
+# 1. **Forward.** Scope k+1 reads `h_k` as an input and keeps it: `h1`–`h3` are retained (the three
+#    `mul` above: dropout's outputs). `h4` is freed: the loss saved a reference into scope 4.
+# 2. **The loss's backward** unpacks `h4`: scope 4's *first* replay runs block 4 again from `h3`
+#    (`addmm`, `gelu`, the mask `empty_like`, `mul`: `h4` again) beside the loss's first temporary,
+#    `div`: **the peak**, 3 + 4 + 1 = 8. It hands `h4` to the loss, keeps `addmm`, and lets `gelu`,
+#    the mask and `h3` go (scope 3 recomputes `h3` when asked).
+# 3. **Block 4's backward** unpacks its own tensors: a second, short replay makes GELU's output and
+#    the mask again from `addmm`. Block 4's Linear unpacks `h3`: scope 3 replays; and so on.
 #
-# 1. **Forward**, each block in its scope. Scope k+1 keeps `h_k` as an outside input; what block
-#    k+1 and `square` save of `h_k` is a reference into scope k, so `h4` is freed in the forward.
-# 2. **The loss's backward** unpacks `h4`. Scope 4 replays **at once all that backward still wants
-#    of it**: `h4'`, GELU's input (`addmm`), the dropout mask (`empty_like`). The replay read `h3`
-#    and then lets it go: from now on scope 3 recomputes it. The loss's backward temporaries
-#    (`div`, `pow`, `mul`, `mul`) come on top: **the peak**, 9 boundaries (`h3` not among them).
-# 3. **Block 4's backward** uses them. Block 4's first Linear unpacks `h3`: scope 3 replays. And so
-#    on down to block 1.
+# The checkpoint keeps `h1`–`h4` and re-runs block k in block k's own backward: its peak, also 8,
+# is those 4 beside the loss's 4 temporaries, before any re-run.
 #
-# The checkpoint keeps `h4` and re-runs block k when block k's own backward unpacks, after the
-# consumer's temporaries are gone: its peak, 8, is `h1`–`h4` and the loss's 4 temporaries.
-#
-# **Why the scope peaks higher:** *a scope replays all its saved tensors at the first unpack, which
-# comes from the block's consumer (the loss here, the next block in a stack), before the block's own
-# backward: they overlap the consumer's backward temporaries.* Here +3 boundaries (`h4'`, GELU's
-# input, the mask) against the two (`h4`, and `h3` once replayed) the scope does not hold: +1. It
-# is **not** two copies of one tensor: every block output is freed before its copy is born (0 such
-# events). A residual stack (the same cause) is in 04b (M.2).
+# **Why no higher:** the first replay of a backward comes from the last block's *consumer* (the
+# loss) and serves the consumer only; the block's own tensors wait for the block's backward
+# (`scope.py`'s NOTE [ The first replay of a backward ]). The core replays everything at once:
+# `addmm`, the mask and `h4` beside `h1`–`h3` and the loss's 4 temporaries, 10. 04b compares them,
+# and shows a residual stack where the scope still peaks one boundary higher (M.2).
 
 # %% [markdown]
 # ## 6. On a GPU
@@ -550,10 +596,10 @@ def under_no_grad(w):
     with torch.no_grad():
         w.mul_(3)  # a write that bumps the version
 for write in through_data, under_no_grad:
-    plain, scoped = write_case(contextlib.nullcontext, write), write_case(gradient_checkpoint_scope, write)
-    ratio = round((scoped[1] / plain[1]).mean().item(), 3)
-    print(f"{write.__name__:<13} a.grad equal:", torch.equal(plain[0], scoped[0]), "| c.grad equal:",
-          torch.equal(plain[1], scoped[1]), "| c.grad, scope / plain:", ratio)
+    plain, scoped_grads = (write_case(s, write) for s in (contextlib.nullcontext, gradient_checkpoint_scope))
+    ratio = round((scoped_grads[1] / plain[1]).mean().item(), 3)
+    print(f"{write.__name__:<13} a.grad equal:", torch.equal(plain[0], scoped_grads[0]), "| c.grad equal:",
+          torch.equal(plain[1], scoped_grads[1]), "| c.grad, scope / plain:", ratio)
 
 # %% [markdown]
 # Written under `torch.no_grad()` instead (second line), the version moves, the scope sees it, and
@@ -592,17 +638,15 @@ print("after del y:   hook on the stack:", top_hooks() is not None,
 #
 # | question | answer | shown by |
 # |---|---|---|
-# | What does a `TorchDispatchMode` see? | post-autograd aten ops, below the saved-tensor hooks, without `grad_fn` | §1, `images/04_dispatch_layers.png` |
-# | Scope or checkpoint? | the scope names what to recompute, a checkpoint what to store | §2: 4,000 vs 8,000 bytes |
-# | Why not pop the hooks at `__exit__`? | `x * c` after the block would store `x` | §3 draft 1: 8,000 bytes |
-# | Why not leave them pushed? | the enclosing context pops ours; its own stays forever, bypassed | §3 draft 2: 0 packs |
-# | How does the package keep its hook? | a resident entry at the bottom, enclosing entries wrapped | §3, `images/04_hooks_stack.png` |
-# | When is it released? | when the last scope tensor dies, at a safe point (inside backward: after it) | §3; 04b M.1 |
-# | Dropout? | a replay in a fork, each random op from the generator state recorded before it: same masks | §4, `images/04_rng_replay.png` |
-# | Where does it end? | a write through `.data` after the scope is not seen; aliases made after it are stored; a live scope tensor keeps the hook | §7: `c.grad` ×0.333; 4 vs 4,004 bytes |
-# | What does a chain of scoped blocks keep? | one block boundary less than a checkpoint per block | §5: 3 vs 4 boundaries |
-# | Why is its peak higher? | a scope replays all its saved tensors at the first unpack, which comes from the block's consumer, before the block's own backward: they overlap the consumer's backward temporaries (not two copies of one tensor) | §5: 9 vs 8 boundaries, `images/04_chain_timeline.png`; 04b M.2 |
+# | What does a `TorchDispatchMode` see? | aten ops at the `Python` key: below autograd, above the kernels, composites decomposed (`t`, `addmm`) | §1 |
+# | Scope or checkpoint? | the scope names what to recompute, a checkpoint what to store, and must include the consumer | §2: 4,000 vs 8,000 bytes |
+# | Why not pop the hooks at `__exit__`, or leave them? | `x * c` would store `x`; an enclosing `__exit__` pops ours | §3 drafts: 8,000 bytes; 0 packs |
+# | How does the hook outlive the block? | a resident entry at the bottom, enclosing entries wrapped; gone when the last scope tensor dies | §3, the stack picture |
+# | What is the core? | tape, reference, one replay of the whole tape in an RNG fork, resident hooks | §3; exercise `04-scope` |
+# | Dropout? | each random op replayed from the generator state recorded before it, in a fork | §4, the RNG picture |
+# | A chain of scoped blocks? | one boundary less kept than a checkpoint per block, the same peak (core: 10) | §5: 3 vs 4; 8 vs 8 |
+# | Where does it end? | `.data` writes after the scope unseen; aliases made after it stored; a live scope tensor keeps the hook | §7 |
 # | GPU? | RNG per initialised device; release deferred off the device thread | §6; 04b M.3 |
 #
-# **Next (optional):** [04b](04b_scope_appendix_returnn.ipynb): more measurements, and the edge cases
-# run with ours and RETURNN's scope.
+# **Next (optional):** [04b](04b_scope_appendix_returnn.ipynb): what `scope.py` adds to the core and
+# why, one part per note, with RETURNN's scope run on the same edge cases.
