@@ -139,7 +139,8 @@ draw_graph(loss_ckpt, {"x": x, **dict(block.named_parameters())}, name="02_check
 #
 # A [graph task](glossary.md#graph-task) is one run of the autograd engine, started by one
 # `.backward()` or `autograd.grad` call. We log a step of a small block: module pre-hooks log each
-# layer, a pack hook each save, node pre-hooks each backward node (outer graph and recomputed one).
+# layer, a pack hook each save (`t._base`, private torch API, tells a weight's view from an
+# activation), node pre-hooks each backward node (outer graph and recomputed one).
 
 # %%
 events, lane = [], ["forward (grad off)"]
