@@ -178,10 +178,10 @@ with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
 lanes = ["forward (grad off)", "backward", "recompute (grad on)", "nested backward"]
 groups = [(w, [e for _, e in g]) for w, g in itertools.groupby(events, lambda e: e[0])]
 labels = ["\n".join(f"{g.count(e)}× {e}".removeprefix("1× ") for e in dict.fromkeys(g)) for _, g in groups]
-# A box spans its events (0.3 inch each), or its label if wider (7 pt: ~0.06 inch a character):
-widths = [max(len(g), 1 + max(map(len, label.splitlines())) * 0.06 / 0.3)
+# A box spans its events (0.22 inch each), or its label if wider (7 pt: ~0.06 inch a character):
+widths = [max(len(g), 1 + max(map(len, label.splitlines())) * 0.06 / 0.22)
           for (_, g), label in zip(groups, labels, strict=True)]
-schedule_fig, ax = plt.subplots(figsize=(0.3 * sum(widths) / 0.775, 3.4))
+schedule_fig, ax = plt.subplots(figsize=(0.22 * sum(widths) / 0.775, 3.4))
 t = 0
 for (where, _), label, width in zip(groups, labels, widths, strict=True):
     y = lanes.index(where)
