@@ -178,8 +178,8 @@ plt.show()
 #
 # 1. **The executable check**, before `forward` runs. `unpack_input` in
 #    [`python_function.cpp`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/csrc/autograd/python_function.cpp)
-#    ends with `flags.is_executable = GradMode::is_enabled() && any_variable_requires_grad(unpacked.input_vars);`
-#    (`input_vars`: the tensor arguments only), and collects the next edges only when it is true.
+#    sets `flags.is_executable = GradMode::is_enabled() && any_variable_requires_grad(unpacked.input_vars);`
+#    (`input_vars`: the tensor arguments only), then collects the next edges only when it is true.
 #    This is the first thread's second observation, and `apply` under `no_grad()`.
 # 2. **The "`no_grad`" the second thread looks for**: `THPFunction_apply` calls `forward` in a C++
 #    block that opens with two RAII guards, `AutoGradMode grad_mode(false);` and

@@ -464,9 +464,10 @@ print("same numbers as .backward():", all_equal(grads_by_grad, [x.grad, *(p.grad
 # reason albanD gives for the limitation (*"You don't need to pass all the things that require
 # gradients as input"*). `autograd.grad` must leave `.grad` alone, so `backward` first asks
 # `torch.autograd._is_checkpoint_valid()` (private torch API, as in torch's own checkpoint). In
-# [`engine.cpp`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/csrc/autograd/engine.cpp),
-# `CheckpointValidGuard` sets that flag around each node's backward to the graph task's
-# `can_checkpoint()`, i.e. `exec_info_.empty()` (and the enclosing task's flag). `Engine::execute`
+# [`engine.cpp`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/csrc/autograd/engine.cpp) it
+# reads a thread-local flag that `CheckpointValidGuard`, atop `call_function` (a node's hooks and
+# backward), sets to the graph task's `can_checkpoint()`, i.e. `exec_info_.empty()`, ANDed with
+# the enclosing task's flag. `Engine::execute`
 # fills the exec-info (`init_to_execute`) when the call names the tensors to differentiate
 # (`autograd.grad`, `backward(inputs=...)`): only a plain `backward()` leaves it empty. A hook reads it:
 
