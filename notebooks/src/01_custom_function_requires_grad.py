@@ -16,19 +16,27 @@
 #
 # **TL;DR.** `Function.apply` (C++: `THPFunction_apply`) does three things, in order:
 #
-# 1. it decides whether the call is **executable**: grad mode on *and* some tensor input requires grad;
+# 1. it decides whether the call is **[executable](glossary.md#executable)**: grad mode on *and*
+#    some tensor input requires grad;
 # 2. it runs `forward` with grad mode and forward-mode AD **off**: results inside have
 #    `requires_grad=False`;
 # 3. it **wraps the outputs**: if executable, each differentiable output gets the Function's
 #    backward node as `grad_fn` (so `requires_grad=True` outside); if not, nothing is attached or saved.
 #
-# The reentrant checkpoint (`use_reentrant=True`; torch 2.13 warns and runs it when `use_reentrant`
-# is omitted) is such a Function. Grad is off in `forward` because `backward` replaces the graph
+# The reentrant [checkpoint](glossary.md#checkpoint) (`use_reentrant=True`; torch 2.13 warns and
+# runs it when `use_reentrant` is omitted) is such a Function. Grad is off in `forward` because `backward` replaces the graph
 # `forward` would build: skipping it saves the graph's nodes, saved tensors and forward peak, not
 # what is kept after `apply` returns.
 #
-# You will predict `requires_grad` for any Function's outputs, find the C++ that decides it, and
-# measure what a grad-off `forward` saves.
+# **After this notebook you can**
+#
+# 1. predict whether a custom Function's outputs require grad, from grad mode, its tensor
+#    arguments and its outputs (checked: §2's prediction, §3's assert against torch, exercise 01);
+# 2. name the C++ steps of `apply` that decide it, in order (checked: §2's probe: grad off inside
+#    `forward`, 0 saves when not executable);
+# 3. say what a grad-off `forward` saves and what it does not (checked: §4's prediction and table);
+# 4. tell why a reentrant checkpoint's output requires grad only when an input does, and a
+#    non-reentrant one's also when a parameter does (checked: §5's cells; exercise 01, cases h and i).
 #
 # **Questions answered here**, from two PyTorch forum threads:
 #
@@ -43,6 +51,7 @@
 # | Why is PyTorch moving checkpointing away from `autograd.Function`? | same | notebook 03b |
 
 # %%
+import itertools
 import timeit
 import warnings
 
@@ -51,6 +60,7 @@ import torch
 from torch import nn
 
 from ckpt_lab.grad_rule import InputSpec, LinearFunction, OutputSpec, predict_requires_grad
+from ckpt_lab.helpers.predict import reveal
 from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.viz import draw_graph, plot_timeline, save_figure, show_dot
 from ckpt_lab.instruments import LiveMemory, OpCounter, SavedTensorLog, measure_memory
@@ -81,7 +91,7 @@ print(f"outside apply:  out.requires_grad={out.requires_grad}, out.grad_fn={type
 # %% [markdown]
 # Inside `forward`, grad mode is **off**: `mm` sees inputs that require grad and still returns a
 # tensor that does not. After `apply`, the same values come back with `grad_fn`
-# `LinearFunctionBackward`, the node that will call our `backward`. In the graph it stands for all
+# `LinearFunctionBackward`, the [node](glossary.md#node) that will call our `backward`. In the graph it stands for all
 # of `forward`; the `mm`, `add` and `expand` inside left no trace:
 
 # %%
@@ -98,10 +108,17 @@ print("gradients equal nn.functional.linear's:", all(map(torch.allclose, grads, 
 # %% [markdown]
 # ## 2. What `apply` does, in order
 #
-# A probe Function records grad mode and forward-mode-AD mode (behind `torch.autograd.forward_ad`;
-# `torch._C._is_fwd_grad_enabled` reads it) inside `forward`, and calls `save_for_backward(x)`.
-# `SavedTensorLog` (a saved-tensor hook logging every tensor autograd keeps for backward) counts the
-# saves, with an input that requires grad and with one that does not:
+# A probe Function records grad mode and forward-mode-AD mode (behind `torch.autograd.forward_ad`)
+# inside `forward`, and calls `save_for_backward(x)`. `torch._C._is_fwd_grad_enabled` is private
+# torch API: no public function reads that mode, and we only read it. `SavedTensorLog` (a
+# [pack hook](glossary.md#pack-unpack) logging every [saved tensor](glossary.md#saved-tensor))
+# counts the saves, with an input that requires grad and with one that does not.
+#
+# **Predict.** `forward` calls `ctx.save_for_backward(x)` on every call. How many tensors does
+# autograd save when the input does *not* require grad?
+
+# %%
+guess = None  # your guess: a number of tensors
 
 # %%
 class Probe(torch.autograd.Function):  # no backward: never differentiated (it would raise)
@@ -120,6 +137,7 @@ for requires_grad in (True, False):
     runs[requires_grad] = dict(Probe.seen, saved=log.count, out_requires_grad=y.requires_grad,
                                grad_fn=type(y.grad_fn).__name__)
     print(f"input requires grad={requires_grad!s:5}:", runs[requires_grad])
+reveal(guess, runs[False]["saved"], "tensors saved when the input needs no grad")
 
 # %% [markdown]
 # The picture puts those measurements on the steps of `THPFunction_apply`, in the order they run:
@@ -127,24 +145,27 @@ for requires_grad in (True, False):
 # %%
 ex, no = runs[True], runs[False]
 steps = [  # (what the C++ does, what the probe measured)
-    ("1 executable check\nis_executable =\n GradMode::is_enabled() &&\n any input requires grad",
-     "input requires grad: True / False"),
+    ("1 unpack_input:\nis_executable =\n GradMode::is_enabled() &&\n any_variable_requires_grad(\n"
+     "   unpacked.input_vars)", "input requires grad: True / False"),
     ("2 call forward under\nAutoGradMode(false)\nAutoFwGradMode(false)",
      f"inside: grad={ex['grad']}, fw_grad={ex['fw_grad']}\ny.requires_grad={ex['y.requires_grad']}"),
-    ("3 _wrap_outputs(...,\n is_executable ? cdata\n             : nullptr)\n→ set_history →\n"
-     "impl::set_gradient_edge", f"executable: grad_fn={ex['grad_fn']}\nnot: requires_grad="
-     f"{no['out_requires_grad']}, grad_fn={no['grad_fn']}"),
+    ("3 _wrap_outputs(...,\n   is_executable ? cdata\n                 : nullptr)\n"
+     "→ _process_backward_mode_ad\n→ set_history\n→ impl::set_gradient_edge",
+     f"executable: grad_fn={ex['grad_fn']}\n"
+     f"not: requires_grad={no['out_requires_grad']}, grad_fn={no['grad_fn']}"),
     ("4 _save_variables\n(save_for_backward,\n only if executable)",
      f"saved: {ex['saved']} tensor / {no['saved']} tensors"),
 ]
 colors = ["#dbe9f6", "#fde7c8", "#d9f0d3", "#eadcf2"]
-fig, ax = plt.subplots(figsize=(12, 3.3))
+fig, ax = plt.subplots(figsize=(13, 3.3))
+boxes = []
 for i, ((text, measured), color) in enumerate(zip(steps, colors, strict=True)):
-    ax.text(1.5 + 3 * i, 1.25, text, ha="center", va="center", fontsize=8.5, family="monospace",
-            bbox={"boxstyle": "round,pad=0.5", "fc": color, "ec": "0.3"})
+    boxes.append(ax.text(1.5 + 3 * i, 1.25, text, ha="center", va="center", ma="left", fontsize=8,
+                         family="monospace", bbox={"boxstyle": "round,pad=0.5", "fc": color, "ec": "0.3"}))
     ax.text(1.5 + 3 * i, 0.05, measured, ha="center", va="center", fontsize=8, color="0.2")
-    if i:
-        ax.annotate("", (0.35 + 3 * i, 1.25), (-0.35 + 3 * i, 1.25), arrowprops={"arrowstyle": "->"})
+for left, right in itertools.pairwise(boxes):  # arrows from box edge to box edge
+    ax.annotate("", (0, 0.5), (1, 0.5), xycoords=right.get_bbox_patch(), textcoords=left.get_bbox_patch(),
+                arrowprops={"arrowstyle": "->"})
 ax.axis("off")
 ax.set(xlim=(0, 12), ylim=(-0.45, 2.2),
        title="Function.apply, in order (bottom row: measured with an input that requires grad / does not)")
@@ -152,26 +173,27 @@ save_figure(fig, "01_apply_sequence")
 plt.show()
 
 # %% [markdown]
-# Where each step lives in C++ (links to the v2.5.0 release; later releases keep the names, though
-# the executable check may be inline):
+# Where each step lives in C++, at torch's release tag v2.13.0 (we name functions, not line
+# numbers: lines move between releases):
 #
-# 1. **The executable check.** `unpack_input` in
-#    [`python_function.cpp`](https://github.com/pytorch/pytorch/blob/v2.5.0/torch/csrc/autograd/python_function.cpp)
-#    sets `is_executable = GradMode::is_enabled() && any_variable_requires_grad(input_vars)`
-#    *before* `forward` runs: the first thread's second observation, and `apply` under `no_grad()`.
-# 2. **The "`no_grad`" the second thread looks for**: two RAII guards, `AutoGradMode
-#    grad_mode(false);` and `at::AutoFwGradMode fw_grad_mode(false);`, open the C++ block of
-#    `THPFunction_apply` that calls `forward`. There is no Python `with torch.no_grad()`.
+# 1. **The executable check**, before `forward` runs. `unpack_input` in
+#    [`python_function.cpp`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/csrc/autograd/python_function.cpp)
+#    sets `flags.is_executable = GradMode::is_enabled() && any_variable_requires_grad(unpacked.input_vars);`
+#    (`input_vars`: the tensor arguments only), then collects the next edges only when it is true.
+#    This is the first thread's second observation, and `apply` under `no_grad()`.
+# 2. **The "`no_grad`" the second thread looks for**: `THPFunction_apply` calls `forward` in a C++
+#    block that opens with two RAII guards, `AutoGradMode grad_mode(false);` and
+#    `at::AutoFwGradMode fw_grad_mode(false);`. There is no Python `with torch.no_grad()`.
 # 3. **Where the metadata is attached.** After `forward`, `process_outputs` calls this file's
 #    `_wrap_outputs`, which passes `is_executable ? cdata : nullptr` (`cdata`: the backward node) to
 #    `_wrap_outputs` in
-#    [`custom_function.cpp`](https://github.com/pytorch/pytorch/blob/v2.5.0/torch/csrc/autograd/custom_function.cpp).
-#    There the lambda `set_history` calls `impl::set_gradient_edge(var, {cdata, output_nr})` on each
-#    differentiable output, setting `grad_fn` and so `requires_grad`; `nullptr` attaches nothing.
-#    (The thread's answer links lines 355–362 of that file at commit `d9c0e37`; lines move, so we
-#    link a release tag and name the functions.)
-# 4. **Saving.** `save_for_backward`'s tensors become `SavedVariable`s after the wrapping, only if
-#    the call is executable: 0 saves above when the input did not require grad.
+#    [`custom_function.cpp`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/csrc/autograd/custom_function.cpp).
+#    That one calls `_process_backward_mode_ad`, whose lambda `set_history` calls
+#    `impl::set_gradient_edge(var, {cdata, output_nr})` on each differentiable output, setting
+#    `grad_fn` and so `requires_grad`; `nullptr` attaches nothing. (The thread's answer links lines
+#    355–362 of that file at commit `d9c0e37`; we link the release tag and name the functions.)
+# 4. **Saving.** `process_outputs` calls `_save_variables` after the wrapping, and only
+#    `if (is_executable)`: 0 saves above when the input did not require grad.
 
 # %% [markdown]
 # ## 3. The rule, case by case
@@ -337,40 +359,49 @@ print("gradient equals autograd's:", torch.allclose(torch.autograd.grad(y.sum(),
 
 # %% [markdown]
 # `set_history` *replaced* the output's `grad_fn` (`SinBackward0`) with the Function's node: the
-# inner graph has no owner left. Side by side: saves and aten ops during `apply` (`SavedTensorLog`,
-# `OpCounter`), live bytes over the forward (`LiveMemory`: every storage an aten op creates, until
-# freed), and `measure_memory` over forward and backward:
+# inner graph has no owner left. Side by side: saves and [aten ops](glossary.md#aten-op) during
+# `apply` (`SavedTensorLog`, `OpCounter`), live bytes during `apply` (`LiveMemory`: every
+# [storage](glossary.md#storage) an aten op creates, until freed; its most is "peak in apply"), and
+# `measure_memory` over the step: [retained](glossary.md#retained) after the forward and the
+# [peak](glossary.md#peak) over forward and backward.
+#
+# **Predict.** The grad-on draft saves four more tensors, and `set_history` then drops its inner
+# graph. How many bytes does it retain after the forward (grad off: 4, the loss)?
+
+# %%
+guess = None  # your guess: a number of bytes
 
 # %%
 variants = {"apply's way (grad off)": Sin4, "draft: grad on inside": DraftGradOn,
             "draft + ctx.inner": DraftKeepsInner}
-forward_mems = {}
-print(f"{'':24}{'saves':>6}{'saved bytes':>13}{'aten ops':>9}{'forward peak':>14}"
-      f"{'kept after forward':>20}{'step peak':>11}")
+forward_mems, steps = {}, {}
+print(f"{'':24}{'saves':>6}{'saved bytes':>13}{'aten ops':>9}{'peak in apply':>14}"
+      f"{'retained':>10}{'peak':>11}")
 for name, fn in variants.items():
     with SavedTensorLog() as log, OpCounter() as ops, LiveMemory() as mem:
         y = fn.apply(x)
         mem.snapshot("after apply")
     forward_mems[name] = mem
     x.grad = None
-    step = measure_memory(lambda fn=fn: fn.apply(x).sum())
+    steps[name] = step = measure_memory(lambda fn=fn: fn.apply(x).sum())
     print(f"{name:24}{log.count:6}{log.activation_bytes:13,}{ops.total:9}{mem.peak_bytes:14,}"
-          f"{step.retained_bytes:20,}{step.peak_bytes:11,}")
+          f"{step.retained_bytes:10,}{step.peak_bytes:11,}")
+reveal(guess, steps["draft: grad on inside"].retained_bytes, "bytes the grad-on draft retains")
 
 # %% [markdown]
 # * **Grad off** (`apply`'s way): one save, `x` (400,000 bytes, the caller's tensor); the forward
 #   peaks at two 400,000-byte tensors (one `sin`'s input and output); then only the 4-byte loss is
-#   new and alive.
+#   retained.
 # * **Grad on, graph discarded**: the same four `sin`s (plus a `detach`), four more saves (each `sin`
 #   saves its input: `x`, `s1`, `s2`, `s3`: +1,200,000 bytes), twice the forward peak (the inner
 #   graph keeps every intermediate until `apply` returns). `set_history` then drops that graph:
-#   **4 bytes kept, as with grad off**, and the same step peak (our `backward`'s).
-# * **Grad on + `ctx.inner`**: 1,600,004 bytes kept; all but the loss's 4 are the draft's own
+#   **4 bytes retained, as with grad off**, and the same peak (our `backward`'s).
+# * **Grad on + `ctx.inner`**: 1,600,004 bytes retained; all but the loss's 4 are the draft's own
 #   `ctx.inner`, the inner output and the tensors its graph saved (`s1`, `s2`, `s3`). A cost of the
 #   draft, not of autograd.
 #
 # So grad off saves building a graph that would be thrown away (nodes, saved tensors, transient
-# peak); what is kept for backward is only what `save_for_backward` names:
+# peak in apply); what is kept for backward is only what `save_for_backward` names:
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 2.8))
@@ -440,7 +471,8 @@ draw_graph(outs.sum(), dict(model.named_parameters()), name="01_checkpoint_graph
 #
 # That holds for the **reentrant** checkpoint only. With `use_reentrant=False` (saved-tensor hooks,
 # notebook 03b) the block runs with grad **on**: its output requires grad whenever its parameters do.
-# Without `use_reentrant`, `checkpoint` warns, then runs the reentrant one. With an input that does
+# Without `use_reentrant`, `checkpoint` warns, then runs the reentrant one (torch 2.13, shown here;
+# 2.11 and 2.14.1 warn and default alike: the README's "Torch versions"). With an input that does
 # not require grad:
 
 # %%
@@ -472,14 +504,22 @@ print("grad mode inside forward:", y.grad_fn.grad_mode_inside, "| saved by the b
       "| output requires grad:", y.requires_grad)
 
 # %% [markdown]
+# **Your turn.** Predict `requires_grad` for nine Functions in `exercises/01_requires_grad.py` (open it from the file browser) and say why for one; then run the cell below: it grades your file against torch.
+
+# %%
+from ckpt_lab.exercises import check
+
+check("01-requires-grad", "exercises/01_requires_grad.py")
+
+# %% [markdown]
 # ## Summary
 #
 # | question | answer | shown by |
 # |---|---|---|
 # | Why is `output.requires_grad` False inside `forward`? | `THPFunction_apply` runs it under `AutoGradMode(false)` and `AutoFwGradMode(false)` | §1, §2 (grad=False, fw_grad=False) |
-# | Why True outside? | `_wrap_outputs(..., is_executable ? cdata : nullptr)` → `set_history` → `impl::set_gradient_edge` gives each differentiable output the Function's node | §1 graph, §2 picture |
+# | Why True outside? | `_wrap_outputs(..., is_executable ? cdata : nullptr)` → `_process_backward_mode_ad` → `set_history` → `impl::set_gradient_edge` gives each differentiable output the Function's node | §1 graph, §2 picture |
 # | When is it False? | not executable (no input requires grad, or `apply` under `no_grad`: nothing saved either); non-differentiable or integer outputs | §2 (0 saves), §3 (model = torch; diagram) |
-# | Why designed so? | `backward` replaces the inner graph; grad off skips building it (4 extra saves, 2× forward peak, more time); kept after `apply`: the same 4 bytes | §4 table, timeline |
+# | Why designed so? | `backward` replaces the inner graph; grad off skips building it (4 extra saves, 2× peak in `apply`, more time); retained: the same 4 bytes | §4 table, timeline |
 # | Why does a checkpoint's output require grad? | the reentrant `CheckpointFunction` is a Function: same rule; the non-reentrant one runs the block with grad on | §5 |
 # | Is the inner `no_grad` redundant? | yes: grad mode is already off (0 saves without it) | §5 |
 #

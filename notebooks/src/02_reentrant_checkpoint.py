@@ -17,17 +17,24 @@
 # **TL;DR.** The reentrant checkpoint is an `autograd.Function` around a block: `forward` runs it
 # with grad off and saves **only its inputs**; `backward` runs it **again** with grad on, then a
 # backward pass through that graph inside the first (*reentrant*). So the output requires grad only
-# if an *input* does, `autograd.grad` is refused, and dropout must be replayed. Without
-# `use_reentrant`, torch 2.13 warns and runs this variant. One checkpoint around everything saves
-# nothing at the peak; one per block does.
+# if an *input* does, `autograd.grad` is refused, and dropout must be replayed. One checkpoint
+# around everything saves nothing at the peak; one per block does.
+#
+# **After this notebook you can**
+#
+# 1. build `CheckpointFunction`: inputs saved, a re-run, a nested backward (checked: §3; exercise 02);
+# 2. say what a checkpointed block keeps and what runs when (checked: §1's prediction, §2);
+# 3. say when its output requires grad and why `autograd.grad` is refused (checked: §4, §6);
+# 4. replay dropout, leaving the caller's random stream alone (checked: §8; exercise 02);
+# 5. place checkpoints so that the peak drops (checked: §9's prediction).
 #
 # **Questions answered here**, from three PyTorch forum threads:
 #
 # | question | section |
 # |---|---|
 # | *About the implementation of activation checkpointing*: the block runs under `no_grad`; why does the output require grad, and not when the input doesn't? | §4 |
-# | *Checkpoint for a whole subnet*: how to train a checkpointed sub-network? Why "None of the inputs have requires_grad=True", "element 0 of tensors does not require grad"? Is `_NetCheckpointWrapper` idiomatic? | §5 |
-# | … is `autograd.grad` forward mode? Why is it unsupported? | §6 |
+# | *Checkpoint for a whole subnet*: how to train a checkpointed sub-network? Why "None of the inputs have requires_grad=True", "element 0 of tensors does not require grad"? Is `_NetCheckpointWrapper` idiomatic? Are the tuple's parameters `net.parameters()` themselves? | §5 |
+# | … is `autograd.grad` forward mode? Why is it unsupported, and what does the engine test? | §6 |
 # | *Tensor.requires_grad in torch.autograd.Function*: how does `CheckpointFunction` save memory? Is its `no_grad` redundant? | §1, §7 |
 # | Why replay the RNG, and why inside a fork? | §8 |
 # | Where does checkpointing save nothing? | §9 |
@@ -35,15 +42,18 @@
 
 # %%
 import itertools
+import textwrap
 import warnings
 
 import matplotlib.pyplot as plt
 import torch
+from IPython.display import Image
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ckpt_lab
 from ckpt_lab import OpCounter, SavedTensorLog, measure_memory
+from ckpt_lab.helpers.predict import reveal
 from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.tensors import all_equal
 from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, save_figure, show_dot
@@ -59,12 +69,14 @@ def make_block(layers: int = 4, width: int = 128, dropout: float = 0.0) -> nn.Se
 def clear_grads(*tensors):
     for t in tensors:
         t.grad = None
-def show_rows(rows, name):  # per row, a chain of boxes (DOT -> PNG), saved as images/<name>.png
-    dot = "digraph { rankdir=LR; node [shape=box, fontname=Helvetica, fontsize=10]; "
+def show_rows(rows, name, arrows=True):  # per row, boxes joined by arrows (steps); else panels of boxes
+    layout = "rankdir=LR" if arrows else "ranksep=0.2"  # panels: side by side, boxes stacked
+    dot = f"digraph {{ {layout}; node [shape=box, fontname=Helvetica, fontsize=10]; "
     for k, (title, boxes) in enumerate(rows.items()):
         dot += f'subgraph cluster{k} {{ label="{title}"; ' + "".join(f'n{k}{i} [label="{b}"]; '
                                                                   for i, b in enumerate(boxes))
-        dot += " -> ".join(f"n{k}{i}" for i in range(len(boxes))) + "; } "
+        edges = " -> ".join(f"n{k}{i}" for i in range(len(boxes)))
+        dot += edges + ("" if arrows else " [style=invis]") + "; } "
     return show_dot(dot + "}", name)
 def step_grads(run, x, model, seed=1):  # the gradients of one seeded training step
     clear_grads(x, *model.parameters())
@@ -90,9 +102,16 @@ print("PLAIN\n" + saved_plain.listing() + "\nCHECKPOINT\n" + saved_ckpt.listing(
 
 # %% [markdown]
 # Plain, each `Linear` and `GELU` saves its input: 8 activations. Checkpointed, **one**: the input
-# `x` (the `leaf`). That is how `CheckpointFunction` saves memory (albanD: *"It is by only saving for
-# backward the input."*). `measure_memory`: *retained* is what is alive after the forward, *peak* the
-# most alive at once over forward + backward (leaf gradients left out).
+# `x` (a [leaf](glossary.md#leaf)). That is how `CheckpointFunction` saves memory (albanD: *"It is
+# by only saving for backward the input."*). `measure_memory` reports the bytes
+# [retained](glossary.md#retained) after the forward and the [peak](glossary.md#peak) over forward
+# and backward (leaf gradients not counted).
+#
+# **Predict.** Checkpointed, the block retains only the 4-byte loss. Its peak, minus the plain
+# run's, in activations (negative if lower)?
+
+# %%
+guess = None  # your guess: a whole number of activations
 
 # %%
 memory = {}
@@ -102,12 +121,12 @@ for name, run in {"plain": block, "checkpoint": lambda t: reentrant_checkpoint(b
     print(f"{name:10} retained {memory[name].retained_bytes:>9,} B  peak {memory[name].peak_bytes:>9,} B")
 extra_peak = memory["checkpoint"].peak_bytes - memory["plain"].peak_bytes
 print("peak, checkpoint minus plain:", f"{extra_peak:,}", "B =", extra_peak // x.nbytes, "activation")
+reveal(guess, extra_peak // x.nbytes, "activations the checkpoint adds to the peak")
 
 # %% [markdown]
-# Plain keeps seven new activations (1,835,008 bytes; `x` existed before) plus the 4-byte loss;
-# checkpointed, **only the loss**, but the peak is one activation *higher*: backward recomputes the
-# whole block at once (§9). In the graph the block is one node with one edge, to `x`; the eight
-# parameters are **not in it**.
+# Plain retains seven new activations (`x` existed before) and the loss; checkpointed, **only the
+# loss**, but the peak is one activation *higher*: backward re-runs the whole block at once (§9). In
+# the graph the block is one node with one edge, to `x`; the eight parameters are **not in it**.
 
 # %%
 loss_ckpt = reentrant_checkpoint(block, x).sum()
@@ -118,9 +137,10 @@ draw_graph(loss_ckpt, {"x": x, **dict(block.named_parameters())}, name="02_check
 # %% [markdown]
 # ## 2. What runs when
 #
-# A *graph task* is one run of the autograd engine, started by one `.backward()` or `autograd.grad`
-# call. We log a step of a small block: module pre-hooks log each layer, a pack hook each save, node
-# pre-hooks each backward node (of the outer graph and of the one recomputed inside the node).
+# A [graph task](glossary.md#graph-task) is one run of the autograd engine, started by one
+# `.backward()` or `autograd.grad` call. We log a step of a small block: module pre-hooks log each
+# layer, a pack hook each save (`t._base`, private torch API, tells a weight's view from an
+# activation), node pre-hooks each backward node (outer graph and recomputed one).
 
 # %%
 events, lane = [], ["forward (grad off)"]
@@ -156,17 +176,22 @@ with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
 
 # %%
 lanes = ["forward (grad off)", "backward", "recompute (grad on)", "nested backward"]
-fig, ax = plt.subplots(figsize=(12, 3.4))
+groups = [(w, [e for _, e in g]) for w, g in itertools.groupby(events, lambda e: e[0])]
+labels = ["\n".join(f"{g.count(e)}× {e}".removeprefix("1× ") for e in dict.fromkeys(g)) for _, g in groups]
+# A box spans its events (0.22 inch each), or its label if wider (7 pt: ~0.06 inch a character):
+widths = [max(len(g), 1 + max(map(len, label.splitlines())) * 0.06 / 0.22)
+          for (_, g), label in zip(groups, labels, strict=True)]
+schedule_fig, ax = plt.subplots(figsize=(0.22 * sum(widths) / 0.775, 3.4))
 t = 0
-for where, group in [(w, [e for _, e in g]) for w, g in itertools.groupby(events, lambda e: e[0])]:
+for (where, _), label, width in zip(groups, labels, widths, strict=True):
     y = lanes.index(where)
-    ax.broken_barh([(t, len(group))], (y - 0.4, 0.8), facecolors=f"C{y}", alpha=0.35, edgecolor="k")
-    label = "\n".join(f"{group.count(e)}× {e}".removeprefix("1× ") for e in dict.fromkeys(group))
-    ax.text(t + len(group) / 2, y, label, ha="center", va="center", fontsize=7)
-    t += len(group)
-ax.set(yticks=range(len(lanes)), yticklabels=lanes, xlabel="event, in the order it happened")
+    ax.broken_barh([(t, width)], (y - 0.4, 0.8), facecolors=f"C{y}", alpha=0.35, edgecolor="k")
+    ax.text(t + width / 2, y, label, ha="center", va="center", fontsize=7)
+    t += width
+ax.set(xlim=(0, t), xticks=[], yticks=range(len(lanes)), yticklabels=lanes,
+       xlabel="events, in the order they happened (each box as wide as its events, or its label)")
 ax.invert_yaxis()
-save_figure(fig, "02_schedule")
+save_figure(schedule_fig, "02_schedule")
 plt.show()
 
 # %% [markdown]
@@ -226,19 +251,19 @@ print(f"with dropout: {wrong:,} of {sum(g.numel() for g in reference_dropout):,}
 
 # %% [markdown]
 # With dropout, the recomputation draws *new* masks (§8). `ckpt_lab`'s `CheckpointFunction` is draft
-# 2 grown up (it also keeps non-tensor arguments aside); its `forward` ends by saving the tensors and
-# snapshotting the RNG and autocast state:
+# 2 grown up (it also keeps non-tensor arguments aside); its `forward` saves the tensors, snapshots
+# the RNG and autocast state, and runs the block (a check of ours follows, not shown):
 
 # %%
-show_source(CheckpointFunction.forward, start="# save_for_backward (not")
+show_source(CheckpointFunction.forward, start="# save_for_backward (not", stop="# What backward's re-run")
 
 # %% [markdown]
 # Its `backward` first refuses `autograd.grad` (§6), then does draft 2's steps (fresh leaves, whose
-# `.grad` the nested backward fills) with the RNG replayed; the hidden tail pairs outputs with
-# gradients and returns one gradient per argument:
+# `.grad` the nested backward fills) with the RNG replayed; the tail, not shown, runs the nested
+# backward on the outputs that require grad and returns one gradient per argument:
 
 # %%
-show_source(CheckpointFunction.backward, start="inputs = list(ctx.inputs)", stop="if isinstance(outputs")
+show_source(CheckpointFunction.backward, start="inputs = list(ctx.inputs)", stop="if ctx.fingerprints")
 
 # %% [markdown]
 # You call `reentrant_checkpoint(function, *args)` (under `no_grad` it just runs the function).
@@ -256,7 +281,7 @@ for label, model, ref in [("block", block, reference), ("dropout block", dropout
 # The thread *"About the implementation of activation checkpointing"* asks why the output requires
 # grad although the block runs under `no_grad`, and not once the input doesn't. That depends on
 # **which** checkpoint runs. A probe inside the thread's `Linear` block, under both variants and
-# with `use_reentrant` left out (`None`):
+# with `use_reentrant` left out (`None`; torch 2.13):
 
 # %%
 def probe(t):
@@ -277,18 +302,23 @@ print("warnings, use_reentrant left out, x needs no grad (the last run):",
       *[f"{w.category.__name__}: {w.message}" for w in caught], sep="\n  ")
 
 # %% [markdown]
-# * **`use_reentrant=True`**: grad is off in the block, but `apply` attaches
-#   `CheckpointFunctionBackward` if the call is *executable*: grad mode on and a tensor **argument**
-#   requiring grad (notebook 01's rule, drawn below). Parameters are not arguments: with an input
-#   needing no grad, the output is a constant. The thread's premise (a block under `no_grad`) and
-#   second observation hold for this variant only.
+# * **`use_reentrant=True`**: grad is off in the block, but `apply` attaches its node if the call is
+#   [executable](glossary.md#executable): grad on and a tensor **argument** requiring grad
+#   (notebook 01's rule, below). Parameters are not arguments: with an input needing no grad, the
+#   output is a constant. The thread's premise and second observation hold for this variant only.
 # * **`use_reentrant=False`** (notebook 03b): grad is **on** in the block; the output requires grad
 #   if anything in it does (here the weight), **even when no input requires grad**.
-# * **Left out**: torch 2.13 warns, then runs the reentrant variant (the rows of `True`); the second
-#   warning is that variant's own (§5). Pass `use_reentrant` always.
+# * **Left out**: torch warns, then runs the reentrant variant (the rows of `True`); the second
+#   warning is that variant's own (§5). The first warning's "Starting in PyTorch 2.9 … will raise" is
+#   stale: torch 2.13, shown here, does not raise, nor do 2.11 and 2.14.1, which warn and default
+#   alike (README, "Torch versions"; pytorch/pytorch#160534). Pass `use_reentrant` always.
 #
-# ![notebook 01's requires_grad rule, as a decision diagram](../images/01_requires_grad_rule.png)
-#
+# Notebook 01's rule:
+
+# %%
+Image(filename="../images/01_requires_grad_rule.png")
+
+# %% [markdown]
 # ## 5. Checkpointing a whole sub-network
 #
 # The thread *"Checkpoint for a whole subnet"*: train `net`'s parameters through
@@ -316,7 +346,8 @@ except RuntimeError as error:
 
 # %% [markdown]
 # `apply` sees only its arguments (`net`, `x`, `y`); none requires grad, so no node is recorded and
-# the loss is a constant. albanD's first answer assumed an input that requires grad. Ways out:
+# the loss is a constant. albanD's first answer assumed an input that requires grad. Ways out (last
+# line: the poster's worry, does `tuple(net.parameters())` hold other objects?):
 
 # %%
 y_needs_grad = data_y.detach().requires_grad_()  # the thread's final fix, on a new leaf
@@ -337,10 +368,13 @@ for name, run in ways_out.items():
     same = all_equal(weighed[name], weighed["no checkpoint (reference)"])
     print(f"{name:32} grads = plain: {same!s:5} | grad bytes {report.grad_bytes:>7,}"
           f" | retained {report.retained_bytes}")
+net_params = tuple(net.parameters())  # as the poster builds it
+print("same objects:", all(p is q for p, q in zip(net_params, net.parameters(), strict=True)))
 
 # %% [markdown]
 # All give the plain gradients and keep only the loss; making `y` require grad costs an unwanted
-# gradient (+8,192 bytes).
+# gradient (+8,192 bytes). And a tuple holds references: the same `Parameter` objects, so their
+# `.grad` is `net`'s.
 #
 # **The thread's `_NetCheckpointWrapper` is not one of them.** It passes the parameters but holds `x`
 # and `y` as **attributes**, outside `save_for_backward`. When `x` comes from a trained layer and is
@@ -356,40 +390,50 @@ encoder = nn.Linear(32, 32)
 torch_reentrant = lambda f, *args: torch_checkpoint(f, *args, use_reentrant=True)
 forms = {"_NetCheckpointWrapper": lambda t: (_NetCheckpointWrapper(net, t, data_y),),
          "safe form": lambda t: (lambda a, b, *_: net(a, b), t, data_y)}
+checkpoints = {"torch's": torch_reentrant, "ours": reentrant_checkpoint}
 residual = {}
-for (form, make), (name, ckpt) in itertools.product(forms.items(), {"torch's": torch_reentrant,
-                                                                   "ours": reentrant_checkpoint}.items()):
+for (form, make), (name, ckpt) in itertools.product(forms.items(), checkpoints.items()):
     enc_x = encoder(data_x)  # requires grad: the encoder is trained
     result = ckpt(*make(enc_x), *net.parameters())[0]
     try:
         (result.sum() + enc_x.pow(2).sum()).backward()  # enc_x used twice: a residual
         residual[form, name] = "backward ran"
     except RuntimeError as error:
-        residual[form, name] = f"RuntimeError: {str(error)[:48]}..."
+        residual[form, name] = f"{type(error).__name__}: {str(error)[:48]}..."
     print(f"{form:21} {name:7} {residual[form, name]}")
 
 # %% [markdown]
 # And an attribute escapes autograd's version check: change `x` in place after the forward (a reused
-# buffer) and the wrapper silently recomputes with new values; the safe form (tensors as arguments) raises:
+# buffer), and the wrapper recomputes with the new values; the safe form (tensors as arguments) raises:
 
 # %%
 inplace = {}
-for form, make in forms.items():
+for (form, make), (name, ckpt) in itertools.product(forms.items(), checkpoints.items()):
     clear_grads(*net.parameters())
     buffer = data_x.clone()
-    result = reentrant_checkpoint(*make(buffer), *net.parameters())[0]
+    result = ckpt(*make(buffer), *net.parameters())[0]
     buffer.mul_(2)  # in place, between forward and backward
     try:
         result.sum().backward()
         same = all_equal([p.grad for p in net.parameters()], weighed["no checkpoint (reference)"])
-        inplace[form] = f"no error; gradients equal plain: {same}"
+        inplace[form, name] = f"no error; gradients equal plain: {same}"
     except RuntimeError as error:
-        inplace[form] = f"RuntimeError: {str(error)[:48]}..."
-    print(f"{form}: {inplace[form]}")
-how = {"_NetCheckpointWrapper": "an attribute: not saved,\\nnot detached from the encoder", "safe form":
-       "an argument: saved, detached\\nto a fresh leaf"}
-show_rows({f: [f"enc_x = encoder(x), passed as\\n{how[f]}", f"a residual, ours:\\n{residual[f, 'ours']}",
-               f"x *= 2 before backward:\\n{inplace[f]}"] for f in forms}, "02_wrapper_traps")
+        inplace[form, name] = f"{type(error).__name__}: {str(error)[:48]}..."
+    print(f"{form:21} {name:7} {inplace[form, name]}")
+
+# %% [markdown]
+# Torch's gives wrong gradients silently; ours raises only through a check of its own (the re-run's
+# outputs against the forward's). The three experiments, each on its own:
+
+# %%
+how = {"_NetCheckpointWrapper": "an attribute: not saved,\\nnot detached from the encoder",
+       "safe form": "an argument: saved,\\ndetached to a fresh leaf"}
+said = lambda measured, f: f + "".join(f"\\n{c}: " + "\\n".join(textwrap.wrap(measured[f, c], 36))
+                                       for c in checkpoints)
+show_rows({"1 · how enc_x reaches the block": [f"{f}:\\n{how[f]}" for f in forms],
+           "2 · enc_x used again after it (a residual)": [said(residual, f) for f in forms],
+           "3 · x *= 2 between forward and backward": [said(inplace, f) for f in forms]},
+          "02_wrapper_traps", arrows=False)
 
 # %% [markdown]
 # **Is it idiomatic? No.** Captured tensors are hidden from the checkpoint: no version check, no cut
@@ -415,12 +459,36 @@ print("same numbers as .backward():", all_equal(grads_by_grad, [x.grad, *(p.grad
       "| .backward() runs the same ops plus:", dict(ops_backward.counts - ops_grad.counts))
 
 # %% [markdown]
-# (Forward mode would need one pass per input entry: 65,536 for `x`.) The reentrant checkpoint
-# refuses `autograd.grad` (`torch.autograd._is_checkpoint_valid()` tells it). Draft 2, unguarded,
-# shows why: its nested backward writes the parameters' `.grad`, which `autograd.grad` must not.
-# In §2's picture, that is the nested-backward lane: its `AccumulateGrad` nodes write `.grad`.
-#
-# ![what runs when: the nested backward inside the checkpoint's backward](../images/02_schedule.png)
+# (Forward mode would need one pass per input entry: 65,536 for `x`.) The nested backward writes
+# `.grad` of every leaf it reaches: that is how parameters get gradients without being inputs, the
+# reason albanD gives for the limitation (*"You don't need to pass all the things that require
+# gradients as input"*). `autograd.grad` must leave `.grad` alone, so `backward` first asks
+# `torch.autograd._is_checkpoint_valid()` (private torch API, as in torch's own checkpoint). In
+# [`engine.cpp`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/csrc/autograd/engine.cpp) it
+# reads a thread-local flag that `CheckpointValidGuard`, atop `call_function` (a node's hooks and
+# backward), sets to the graph task's `can_checkpoint()`, i.e. `exec_info_.empty()`, ANDed with
+# the enclosing task's flag. `Engine::execute`
+# fills the exec-info (`init_to_execute`) when the call names the tensors to differentiate
+# (`autograd.grad`, `backward(inputs=...)`): only a plain `backward()` leaves it empty. A hook reads it:
+
+# %%
+def engine_flag(run):  # torch.autograd._is_checkpoint_valid() while backward runs through y
+    t = torch.ones(3, requires_grad=True)
+    (y := t * 2).register_hook(lambda g: flags.append(torch.autograd._is_checkpoint_valid()))
+    run(y.sum(), t)
+    return flags.pop()
+flags, calls = [], {"backward()": lambda loss, t: loss.backward(), "autograd.grad": torch.autograd.grad,
+                    "backward(inputs=...)": lambda loss, t: loss.backward(inputs=[t])}
+print({name: engine_flag(run) for name, run in calls.items()},
+      "| outside a backward:", torch.autograd._is_checkpoint_valid())
+
+# %% [markdown]
+# Ours raises when it is False; draft 2, unguarded, writes the parameters' `.grad`; the
+# non-reentrant checkpoint (03b) serves `autograd.grad`. §2's timeline: the nested backward's
+# [`AccumulateGrad`](glossary.md#accumulategrad) nodes write `.grad`:
+
+# %%
+schedule_fig
 
 # %%
 clear_grads(x, *params)
@@ -447,8 +515,9 @@ show_source(torch.utils.checkpoint.CheckpointFunction.forward, start="with torch
 # %% [markdown]
 # `ckpt_lab`'s has none; the block sees grad off anyway: `apply` switches it off before `forward`
 # (step 2 of notebook 01's picture):
-#
-# ![what Function.apply does, in order](../images/01_apply_sequence.png)
+
+# %%
+Image(filename="../images/01_apply_sequence.png")
 
 # %%
 seen = []
@@ -507,21 +576,44 @@ show_rows({name: ["seed 1", "forward: dropout draws\\nthe masks from state S", "
           "02_rng_stream")
 
 # %% [markdown]
-# * Without a restore (draft 2, or `preserve_rng_state=False`), all 131,584 gradient entries are wrong.
+# * Without a restore (draft 2, or `preserve_rng_state=False`), every gradient entry is wrong.
 # * Draft 3 gets them right but **rewinds** the caller's stream: the draw after backward repeats the
-#   one between; a training loop would silently reuse shuffles.
-# * `ckpt_lab` and torch restore the forward's state inside a **fork**, which saves the generator
-#   before the recomputation and puts it back after (CPU, accelerators, autocast):
+#   one between (a training loop would reuse shuffles).
+# * torch's `CheckpointFunction.backward` re-runs inside `torch.random.fork_rng`, which saves the
+#   CPU generator and those of the devices the forward stashed (its tensors' devices, if that device
+#   type was initialised), and puts them back after. Autocast is not forked but re-entered:
+#   `torch.amp.autocast(...)` for the device type and for the CPU, with the forward's settings.
+#   Ours, `ReplayState.replay`, does the same (`measure_memory` does not count the CPU snapshot):
 
 # %%
 show_source(ckpt_lab.rng.ReplayState.replay, start="with fork_rng")
 
 # %% [markdown]
-# (`measure_memory` does not count that CPU snapshot: it is made outside aten ops.)
-#
+# **Your turn.** Rebuild `CheckpointFunction` in `exercises/02_checkpoint_function.py` (open it from
+# the file browser): `forward(ctx, run_function, preserve_rng_state, *args)` keeps only the tensor
+# inputs; `backward(ctx, *grads)` re-runs the block (§3, this section) and returns one gradient per
+# argument. The cell below grades it against the plain block: what it keeps, the re-runs, the
+# gradients bit for bit, a residual input, dropout.
+
+# %%
+from ckpt_lab.exercises import check
+
+check("02-checkpoint-function", "exercises/02_checkpoint_function.py")
+
+# %% [markdown]
+# <a id="saves-nothing"></a>
 # ## 9. Where checkpointing saves nothing
 #
-# A stack of four blocks of §1 (`a` = one activation, 262,144 bytes), checkpointed five ways:
+# A checkpoint frees only what is made inside it *and* referenced by nothing else, and lowers the
+# [peak](glossary.md#peak) only if backward does not re-run it while the rest is alive. Backward
+# starts at the loss: the checkpoint that made the output re-runs first, and each re-run brings its
+# whole block back at once. Four blocks of §1 (`a` = one activation, 262,144 bytes), five ways.
+#
+# **Predict.** With a checkpoint around *every single op* (each `Linear`, each `GELU`), how many
+# activations does the stack retain after the forward?
+
+# %%
+guess = None  # your guess: a number of activations (a)
 
 # %%
 _ = torch.manual_seed(0)
@@ -539,6 +631,7 @@ for name, run in placements.items():
     clear_grads(x, *stack4.parameters())
     placed[name] = r = measure_memory(run)
     print(f"{name:32} retained {r.retained_bytes / a:5.2f} a  peak {r.peak_bytes / a:5.2f} a")
+reveal(guess, placed["around every single op"].retained_bytes // a, "activations retained, ops checkpointed")
 fig, axes = plt.subplots(1, 2, figsize=(11, 2.4))
 for ax, what in zip(axes, ["retained", "peak"], strict=True):
     plot_memory_bars(ax, {n: getattr(r, f"{what}_bytes") for n, r in placed.items()}, f"{what} (a)", unit=a)
@@ -547,15 +640,17 @@ save_figure(fig, "02_where_it_saves_nothing")
 plt.show()
 
 # %% [markdown]
-# * **Around the whole function**: backward begins by recomputing everything: peak 33 a vs 32 a.
-# * **Around the last stage**: recomputed at once; retained falls (24 a), the peak does not (33 a).
-# * **Inputs the caller keeps alive**: around single ops, a checkpoint keeps what the op saved
-#   anyway, its input: 31 a, as without.
-# * What works: one checkpoint per block, the last left plain: 10 a retained, **12 a peak**.
+# * **No checkpoint**: 31 a retained (32 saves less `x`, which existed before), peak 32 a.
+# * **Around the whole function**: nothing retained, but backward starts by re-running it all:
+#   peak 33 a.
+# * **Around the last stage only**: retained falls (24 a), the peak does not (33 a): that re-run
+#   comes first, while the other blocks' activations are alive.
+# * **Around inputs the caller keeps alive**: a checkpoint keeps its input; around a single op, that
+#   is what the op saved anyway: 31 a, as without. Likewise for a residual or logged activations.
+# * **What works: one per block, the last left plain**: 10 a retained (the checkpoints' inputs, the
+#   last block's saves), **12 a peak**: each re-run rebuilds one block, the blocks above it freed.
 #
-# **More checkpoints along a chain** (optional): how many segments to cut N layers into (√N,
-# against Chen et al.'s formulas), and checkpoints nested recursively for O(log N) memory, are in
-# [notebook 02b](02b_checkpoint_schedules_appendix.ipynb).
+# More checkpoints along a chain (√N segments, recursion): [notebook 02b](02b_checkpoint_schedules_appendix.ipynb).
 
 # %% [markdown]
 # ## Summary
@@ -567,11 +662,12 @@ plt.show()
 # | Why a nested `.backward()`? | parameters are not inputs (draft 1: 8 of 8 without gradient) | 3 |
 # | Why does the output require grad, not when no input does? | reentrant (2.13's default, warned): only if an argument does; non-reentrant: also if a parameter does | 4 |
 # | "element 0 … does not require grad"? | parameters are not arguments of `apply`: add a dummy input, or `use_reentrant=False` | 5 |
-# | Is `_NetCheckpointWrapper` idiomatic? | no: a residual breaks backward; in-place changes go unnoticed | 5 |
-# | `autograd.grad` forward mode? Why unsupported? | reverse mode; the nested backward would write `.grad` | 6 |
+# | Is `_NetCheckpointWrapper` idiomatic? | no: a residual breaks backward; torch's misses in-place changes (wrong gradients) | 5 |
+# | Are the tuple's parameters `net.parameters()`? | yes, the same objects | 5 |
+# | `autograd.grad` forward mode? Why unsupported? | reverse mode; the nested backward writes `.grad`: allowed in a plain `backward()` only (`can_checkpoint()`) | 6 |
 # | Is the inner `no_grad` redundant? | yes; same memory | 7 |
-# | Why replay the RNG in a fork? | else 131,584 of 131,584 gradient entries wrong, or the caller's stream rewound | 8 |
-# | Where does it save nothing? | around everything (peak 33 a vs 32 a), the last stage, single ops (31 a) | 9 |
+# | Why replay the RNG in a fork? | else 131,584 of 131,584 gradient entries wrong, or the caller's stream rewound (autocast: re-entered) | 8 |
+# | Where does it save nothing? | around everything or the last stage (peak 33 a vs 32 a), inputs the caller keeps (31 a) | 9 |
 # | √N? Recursion? | 11 a vs 36 a for 1.278 × FLOPs; log₂ N + 1 | 02b |
 #
 # Notebooks 03 and 03b drop the `autograd.Function`: saved-tensor hooks, then the non-reentrant

@@ -23,6 +23,13 @@
 # recursively retains log₂ N + 1 activations and peaks at 2 log₂ N + 1: O(log N) memory for
 # O(N log N) layer runs.
 #
+# **After this appendix you can**
+#
+# 1. choose the number of segments for a chain under a memory limit, and predict what it retains
+#    and how many layers it re-runs (checked: A's assert for every divisor, A's prediction;
+#    exercise 02b);
+# 2. say what recursive checkpointing costs (checked: B's printed equality).
+#
 # | question | section |
 # |---|---|
 # | How many segments should `checkpoint_sequential` use, and what does it cost? | A |
@@ -36,6 +43,7 @@ import torch
 from torch import nn
 
 from ckpt_lab import CallCounter, checkpoint_sequential, count_flops, measure_memory
+from ckpt_lab.helpers.predict import reveal
 from ckpt_lab.helpers.viz import save_figure
 from ckpt_lab.reentrant import reentrant_checkpoint
 
@@ -52,10 +60,18 @@ def clear_grads(*tensors):  # so that every measurement starts without .grad
 # ## A. √N segments
 #
 # `checkpoint_sequential(functions, segments, input)` cuts `N` layers into `s` chunks and
-# checkpoints all but the last. Chen et al. 2016 (*Training Deep Nets with Sublinear Memory Cost*):
-# with one activation `a` per layer it retains **(s − 1 + N/s) · a**, peaks near **(s + N/s) · a**,
-# and costs FLOPs × (1 + (1 − 1/s)/3); memory is lowest at **s = √N**. N = 36 layers of
-# `Linear(128, 128)` + `Tanh`, batch 32; `CallCounter` counts each layer's runs:
+# checkpoints all but the last. Chen et al. 2016 (*Training Deep Nets with Sublinear Memory Cost*)
+# show that s segments keep O(N/s + s) activations, fewest at **s = √N**, for one extra forward
+# pass per step. The exact counts are ours, with one activation `a` per layer: it retains
+# **(s − 1 + N/s) · a**, peaks near **(s + N/s) · a**, and re-runs all but the last segment once,
+# so a step (backward ≈ two forwards) costs FLOPs × **(1 + (1 − 1/s)/3)**: our refinement of their
+# one extra forward, which it approaches as s grows. N = 36 layers of `Linear(128, 128)` + `Tanh`,
+# batch 32; `CallCounter` counts each layer's runs.
+#
+# **Predict.** At s = 6 segments, how many layer runs does a training step take (plain: 36)?
+
+# %%
+guess = None  # your guess: a number of layer runs
 
 # %%
 N, batch, width = 36, 32, 128
@@ -65,7 +81,7 @@ stack = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ 
 stack_x = torch.randn(batch, width, requires_grad=True)
 layer_calls = [CallCounter(layer) for layer in stack]
 plain_flops = count_flops(lambda: stack(stack_x).sum().backward())
-rows = []
+rows, runs_at = [], {}
 for s in [d for d in range(1, N + 1) if N % d == 0]:
     clear_grads(stack_x, *stack.parameters())
     _ = [c.reset() for c in layer_calls]
@@ -74,11 +90,13 @@ for s in [d for d in range(1, N + 1) if N % d == 0]:
     assert report.retained_bytes == (s - 1 + N // s) * a + 4 and runs == N + (s - 1) * (N // s)
     flops = plain_flops + (runs - N) * 2 * batch * width * width  # one more Linear forward per extra run
     rows.append((s, report.retained_bytes / a, report.peak_bytes / a, flops / plain_flops))
+    runs_at[s] = runs
     if s in (1, 2, 6, 18, 36):
         print(f"s = {s:2}: retained {rows[-1][1]:4.1f} a, peak {rows[-1][2]:4.1f} a, layer runs {runs:2}, "
               f"FLOPs × {rows[-1][3]:.3f} (theory {1 + (1 - 1 / s) / 3:.3f})")
 best = min(rows, key=lambda row: row[1])
 print("fewest at s = √N:", best[0] == math.isqrt(N), f"| plain peak ÷ this: {rows[0][2] / best[2]:.2f}")
+reveal(guess, runs_at[6], "layer runs at s = 6")
 
 # %%
 segments, fine = [row[0] for row in rows], [1 + i * (N - 1) / 200 for i in range(201)]
@@ -100,6 +118,17 @@ plt.show()
 # Retained bytes follow the formula to the byte: at s = 6 = √36, 11 a instead of 36 a; the peak
 # (13 a vs 37 a) is 2.85 × lower, for 1.278 × the FLOPs.
 #
+# **Your turn.** Write `choose_segments(n_layers, activation_bytes, limit_bytes)` in
+# `exercises/02b_segments.py` (open it from the file browser): the number of segments (a divisor of
+# `n_layers`) whose retained bytes, less the loss, stay within the limit with the fewest layer runs,
+# or `None`. The cell below grades it by running `checkpoint_sequential` on chains and measuring.
+
+# %%
+from ckpt_lab.exercises import check
+
+check("02b-segments", "exercises/02b_segments.py")
+
+# %% [markdown]
 # ## B. Recursive checkpointing, O(log N) memory
 #
 # A recomputation runs with grad on, so checkpoints inside it create nodes of their own. Checkpoint
@@ -143,7 +172,7 @@ plt.show()
 # | question | answer | § |
 # |---|---|---|
 # | How many segments? | s = √N: retained (s − 1 + N/s) · a, to the byte; 11 a instead of 36 a for N = 36 | A |
-# | At what cost? | peak 13 a vs 37 a (2.85 × lower) for 1.278 × the FLOPs, as 1 + (1 − 1/s)/3 predicts | A |
+# | At what cost? | peak 13 a vs 37 a (2.85 × lower) for 1.278 × the FLOPs, as our 1 + (1 − 1/s)/3 predicts (Chen et al.: one extra forward at most) | A |
 # | Recursive checkpointing? | retained log₂ N + 1, peak 2 log₂ N + 1 activations; N (log₂ N / 2 + 1) layer runs (256 for N = 64) | B |
 #
 # Back to [notebook 02](02_reentrant_checkpoint.ipynb), or on to notebook 03.
