@@ -52,11 +52,14 @@ __all__ = [
     "ParameterHooks",
     "TinyNet",
     "WorkerError",
+    "build_model",
     "ddp_train_steps",
     "fail_on_rank",
     "free_port",
     "fsdp_train_steps",
+    "global_batch",
     "run_workers",
+    "shard_model",
     "sum_of_ranks",
     "trace_parameter_hooks",
 ]
@@ -192,7 +195,7 @@ def ddp_train_steps(
     failure this worker exists to show (a reentrant checkpoint with ``find_unused_parameters=True``
     or ``repeat=2``; ``trace_parameter_hooks`` explains it).
     """
-    x_all, y_all = _global_batch(batch_per_rank * world_size)
+    x_all, y_all = global_batch(batch_per_rank * world_size)
     local = slice(rank * batch_per_rank, (rank + 1) * batch_per_rank)
     x, y = x_all[local], y_all[local]
     options = {"find_unused_parameters": find_unused_parameters, "static_graph": static_graph}
@@ -206,7 +209,7 @@ def ddp_train_steps(
         # waiting in a collective for the other.
         return DDPResult(strategy, str(error), None, None, None, None, None)
 
-    reference = _build("none", repeat)
+    reference = build_model("none", repeat)
     _train_reference(reference, x_all, y_all, steps, lr)
     # Gradients: the last step's, which both runs keep (zero_grad only runs at the start of a step).
     params = [p.detach() for p in model.parameters()]
@@ -245,7 +248,7 @@ def _ddp_run(
 ) -> tuple[TinyNet, int]:
     """``steps`` SGD steps of ``TinyNet`` under DDP on this rank's batch; the model and the number of
     times its first block ran."""
-    model = _build(strategy, repeat)
+    model = build_model(strategy, repeat)
     calls = CallCounter(model.blocks[0])
     ddp = DistributedDataParallel(model, **ddp_options)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
@@ -374,19 +377,19 @@ def fsdp_train_steps(
     block wrapped with ``ckpt_lab.checkpoint`` through ``checkpoint_wrapper`` if ``checkpointed``;
     compare with single-process training; measure one more forward and backward's memory."""
     sizes = {"width": width}
-    x_all, y_all = _global_batch(batch_per_rank * world_size)
+    x_all, y_all = global_batch(batch_per_rank * world_size)
     local = slice(rank * batch_per_rank, (rank + 1) * batch_per_rank)
     x, y = x_all[local], y_all[local]
     mesh = init_device_mesh("cpu", (world_size,))
 
-    model = _shard(_build(**sizes), checkpointed, mesh)
+    model = shard_model(build_model(**sizes), checkpointed, mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         _loss(model, x, y).backward()
         optimizer.step()
 
-    reference = _build(**sizes)
+    reference = build_model(**sizes)
     _train_reference(reference, x_all, y_all, steps, lr)
     # Gather each sharded DTensor into a full tensor (a collective: every rank calls it in order).
     params = [p.full_tensor() for p in model.parameters()]
@@ -421,7 +424,7 @@ def fsdp_train_steps(
     )
 
 
-def _shard(model: TinyNet, checkpointed: bool, mesh: Any) -> TinyNet:
+def shard_model(model: TinyNet, checkpointed: bool, mesh: Any) -> TinyNet:
     """Wrap each block with ``ckpt_lab.checkpoint`` (if asked), then shard blocks and root with FSDP2."""
     if checkpointed:
         # checkpoint_wrapper calls checkpoint_fn(module, *args): ckpt_lab.checkpoint has that signature.
@@ -439,14 +442,14 @@ def _shard(model: TinyNet, checkpointed: bool, mesh: Any) -> TinyNet:
 
 
 # ================================================================= training, shared by DDP and FSDP
-def _build(strategy: str = "none", repeat: int = 1, **sizes: int) -> TinyNet:
+def build_model(strategy: str = "none", repeat: int = 1, **sizes: int) -> TinyNet:
     """The same float64 model on every rank and in every reference."""
     # Parameters are drawn at construction: the same generator state gives every rank the same model.
     torch.manual_seed(0)
     return TinyNet(strategy=strategy, repeat=repeat, **sizes).double()
 
 
-def _global_batch(batch: int, in_features: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(batch: int, in_features: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets of the whole (global) batch; every rank makes the same and takes its slice."""
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(batch, in_features, dtype=torch.float64, generator=generator)

@@ -15,28 +15,36 @@
 # # 05 · Choosing what to keep: selective recomputation and a memory-budget planner
 #
 # **TL;DR.** In a transformer block the matmul outputs are a third of the bytes a checkpoint could
-# keep but 98% of the FLOPs it would redo. *Selective activation checkpointing* (**SAC**: a
-# non-reentrant checkpoint that asks a *policy*, op by op, whether to keep the op's output) keeps
-# them and recomputes the rest: 416 KiB kept instead of 994, for 3% of a plain checkpoint's
-# recomputation. In-place, view and random ops run again whatever the policy says; torch 2.13's
-# eager SAC gets kept random ops silently wrong. For a byte budget, "what to keep" is a 0/1
-# knapsack, solved exactly; measured bytes and FLOPs equal the plan's. Under any checkpoint
-# BatchNorm counts two batches per step; hooks fix it.
+# keep but 98% of the FLOPs it would redo. [SAC](glossary.md#sac) (a checkpoint whose *policy*
+# decides, op by op, whether to keep an op's output) keeps them: 416 KiB kept instead of 994, for 3%
+# of a plain checkpoint's recomputation. In-place, view and random ops run again whatever the policy
+# says (torch 2.13's SAC gets kept random ops silently wrong). For a byte budget, what to keep is a
+# 0/1 knapsack, solved exactly; measured bytes and FLOPs equal the plan's.
 #
-# | question | section |
+# **After this notebook you can**
+#
+# 1. write a per-op policy and say what runs when (checked: §2.2's prediction and assert; exercise 05);
+# 2. explain why in-place, view and random ops must run again (checked: §2.1, §2.3);
+# 3. choose what to keep for a byte budget, exactly, and check it by measurement (checked: §4's
+#    asserts; exercise 05);
+# 4. say where a policy saves nothing, and what an enclosing offload sees of SAC's cache (checked:
+#    §3.1's prediction; §6);
+# 5. spot and fix BatchNorm's double update (checked: §7's assert).
+#
+# | question | § |
 # |---|---|
-# | Which ops of a block hold the bytes, which the FLOPs? | 1 |
-# | How does a per-op policy decide, and what runs when? | 2.2 |
-# | Why must in-place, view and random ops run again? | 2.1, 2.3 |
-# | Torch's SAC and ours: same bytes and FLOPs? Where is torch's wrong? | 2.3, 3 |
-# | Where does selective checkpointing save nothing? | 3.1 |
-# | What to keep for a byte budget? Greedy or exact? Checkmate and DTR? | 4 |
-# | Where does each strategy sit on the memory/recompute frontier? | 5 |
-# | What does CPU offload cost instead? | 6 |
-# | Why does BatchNorm count two batches per step, and the fix? | 7 |
+# | Which ops hold the bytes, which the FLOPs? | 1 |
+# | What runs when? Why must in-place, view, random ops run again? | 2 |
+# | Ours and torch's SAC: same bytes and FLOPs? Where does a policy save nothing? | 3 |
+# | What to keep for a byte budget? Greedy or exact? Checkmate, DTR? | 4 |
+# | The memory/recompute frontier? | 5 |
+# | What does CPU offload cost? Does it see SAC's cache? | 6 |
+# | BatchNorm's two batches per step, and the fix? | 7 |
 #
-# All eager (torch's `activation_memory_budget` exists only under `torch.compile`: notebook 08); every number
-# is bytes or FLOPs, the same on every machine.
+# Shown on torch 2.13.0; where 2.11 or 2.14.1 differ, the section says so (README, "Torch
+# versions"). All eager: the compiler's budgets, global (`activation_memory_budget`, private
+# `torch._functorch.config`) and per region (`region_activation_memory_budget`, a prototype that
+# refuses eager code, below), are [notebook 08](08_compiler_checkpointing.ipynb)'s.
 
 # %%
 import functools
@@ -53,14 +61,21 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ckpt_lab import CheckpointError, bench, checkpoint, measure_memory, planner, reentrant_checkpoint
 from ckpt_lab.batchnorm import skip_stats_update_in_recompute
 from ckpt_lab.bench import pareto
+from ckpt_lab.helpers.predict import reveal
 from ckpt_lab.helpers.show import show_source
+from ckpt_lab.helpers.tensors import all_equal as same
 from ckpt_lab.helpers.viz import save_figure
 from ckpt_lab.instruments.counting import OpCounter
 from ckpt_lab.offload import offload_to_cpu
 from ckpt_lab.planner import CostCounter, budget_range, plan_sequential, profile, solve
+from ckpt_lab.scope import gradient_checkpoint_scope
 from ckpt_lab.selective import SaveMode, must_rerun, selective_checkpoint
 
 print("torch", torch.__version__)
+try:
+    torch.autograd.graph.region_activation_memory_budget(0.5)
+except RuntimeError as error:
+    print("RuntimeError:", error)
 
 
 # %%
@@ -75,18 +90,16 @@ def grads_of(forward, leaves):
     torch.manual_seed(1)
     forward().square().mean().backward()
     return [t.grad.clone() for t in leaves]
-def same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 # %% [markdown]
 # ## 1 · What a transformer block is made of
 #
 # A small `nn.TransformerEncoderLayer` (d_model 64, 4 heads, feed-forward 256, dropout 0.1; 4
-# sequences of 32 tokens). `planner.profile` runs it once under a `TorchDispatchMode` and notes,
-# per aten op, the bytes of *new* memory its output owns and its cost to compute again (torch's
-# FLOPs for matmuls, one per element otherwise). A *candidate* is an op a policy can really
-# choose: not a view, not in place, not random, not filled in place later.
+# sequences of 32 tokens). `planner.profile` runs it once and notes, per
+# [aten op](glossary.md#aten-op), the bytes of new [storage](glossary.md#storage) its output owns
+# and its cost to recompute (FLOPs for matmuls, one per element otherwise). A *candidate* is an op a
+# policy can really choose: not a view, in place, random, or filled in place later.
 
 # %%
 torch.manual_seed(0)
@@ -116,16 +129,16 @@ ax_b.legend(loc="upper left", fontsize=8)
 save_figure(fig, "05_ops")
 
 # %% [markdown]
-# Red bars: a third of the candidate bytes, nearly all of the FLOPs. Keeping them is the "save
-# the matmuls" policy of torch's SAC examples and torchtitan; Korthikanti et al. 2022
-# (arXiv:2205.05198) recompute only attention's large, cheap intermediates and cut the overhead by
-# over 90%. Grey ops (dropout's `empty_like`, `bernoulli_`, `div_`) run again whatever a policy says.
+# Red bars: a third of the candidate bytes, nearly all of the FLOPs: the "save the matmuls" policy
+# of torch's SAC examples and torchtitan (after Korthikanti et al. 2022). Grey ops (dropout's) run
+# again whatever a policy says.
 #
 # ## 2 · Selective checkpointing
 #
-# To keep *some* outputs we must see each op: one `TorchDispatchMode` asks the policy about each op
-# in the forward and caches what it keeps; a second serves those in the recomputation. Both reach
-# `ckpt_lab.checkpoint` (notebook 03b) through `context_fn`, as with torch's checkpoint.
+# One `TorchDispatchMode` (notebook 04; from the private module `torch.utils._python_dispatch`,
+# its only home) asks the policy about each op in the forward and caches what it keeps; a second
+# serves those in the recomputation. Both reach `ckpt_lab.checkpoint` (notebook 03b) through
+# `context_fn`, as with torch's checkpoint.
 #
 # ### 2.1 · A first draft (it falls short)
 
@@ -151,8 +164,8 @@ def draft_selective(function, x, policy):
 
 
 # %% [markdown]
-# "Save the matmuls" on the block works. Two small functions, each with a policy that keeps one
-# op's output: `two_draws` keeps its first random draw; `in_place` keeps `mul_(2)`.
+# "Save the matmuls" on the block works. Two small functions: `two_draws` keeps its first random
+# draw; `in_place` keeps `mul_(2)`.
 
 # %%
 def two_draws(v):
@@ -181,37 +194,34 @@ for fn, packet in ((two_draws, torch.ops.aten.rand_like), (in_place, torch.ops.a
 # %% [markdown]
 # Wrong, silently, in every element:
 #
-# * **Random ops.** The recomputation restores the forward's RNG state, then *skips* the served
-#   first `rand_like`, so the second draws what the first drew in the forward.
+# * **Random ops.** The re-run restores the forward's RNG state, *skips* the served first
+#   `rand_like`, and the second draws what the first drew in the forward.
 # * **In-place ops.** Served instead of run, `mul_` never doubles the re-run's `h`.
-# * **Views** must alias the re-run's tensors; a cached tensor that a later op fills in place
-#   (`empty_like` before `bernoulli_`) is no longer the op's output.
+# * **Views** must alias the re-run's tensors; and a tensor a later op fills in place (`empty_like`
+#   before `bernoulli_`) is no longer the op's output.
 #
 # ### 2.2 · The package's version, and what runs when
 #
-# `ckpt_lab.selective_checkpoint` asks the policy about every op, with torch's signature
-# `policy(ctx, op, *args, **kwargs)` (one policy drives both), but runs three kinds of op again
-# whatever it answers:
+# `ckpt_lab.selective_checkpoint` asks the policy (torch's signature, `policy(ctx, op, *args,
+# **kwargs)`) about every op, but runs three kinds of op again whatever it answers:
 
 # %%
 show_source(must_rerun, start="if op._schema")
 
 # %% [markdown]
-# The forward mode keeps a detached alias of what the policy saves, unless `must_rerun` says no
-# (it also notes each entry's version counter, to notice a later in-place change):
+# The forward mode keeps a detached alias of what the policy saves, unless `must_rerun` says no:
 
 # %%
 show_source(SaveMode, start="self.cache.policy", stop="return out")
 
 # %% [markdown]
-# Not shown: ops torch's SAC skips too (`detach`, metadata queries) are not asked about; entries a
-# later in-place op changed are dropped. In the recomputation, `ServeMode` checks each op against
-# the forward's (appendix A) and serves the cached entry instead of running it; backward frees it
-# after use, like a recomputed tensor.
+# In the recomputation `ServeMode` checks each op against the forward's (appendix A) and serves
+# the cached entry instead of running it.
 #
 # **What runs when.** A small MLP block (`mm`, `gelu`, dropout, `mm`), a policy that keeps the
-# first `mm` and notes when it is asked, and a `TorchDispatchMode` *outside* the checkpoint that
-# logs each op that really runs (a served op never reaches it), with its phase:
+# first `mm` and notes when it is asked, and a dispatch mode *outside* the checkpoint that logs
+# each op that really runs. Both spot backward with `torch._C._current_graph_task_id()` (private
+# API: the one way to ask whether a [graph task](glossary.md#graph-task) runs):
 
 # %%
 PHASE = {(True, False): "forward", (True, True): "recompute", (False, True): "backward"}
@@ -235,16 +245,27 @@ def mlp_block(h):
 def save_first_mm(ctx, op, *args, **kwargs):
     asked.append("backward" if torch._C._current_graph_task_id() != -1 else "forward")
     return op is torch.ops.aten.mm.default and len(asked) == 1  # the block's first op
-with trace:
-    selective_checkpoint(mlp_block, h0, policy=save_first_mm).sum().backward()
+
+
+# %% [markdown]
+# **Predict.** The forward asks the policy about each of the block's ops. How many times is it
+# asked during backward, when the block runs again?
 
 # %%
+guess = None  # your guess: a number
+
+# %%
+with trace:
+    selective_checkpoint(mlp_block, h0, policy=save_first_mm).sum().backward()
+reveal(guess, asked.count("backward"), "policy calls during backward")
 forward = [name for phase, name in trace.events if phase == "forward"]
 recomputed = [name for phase, name in trace.events if phase == "recompute"]
 assert recomputed == forward[1 : 1 + len(recomputed)]  # op 0 served, the next ones re-run in order
 fate = ["served"] + ["re-run"] * len(recomputed) + ["not re-run"] * (len(forward) - 1 - len(recomputed))
-print(f"policy asked {asked.count('forward')} times in forward, {asked.count('backward')} in backward;",
-      "recomputation:", ", ".join(f"{n} {f}" for n, f in zip(forward, fate, strict=True)))
+print(f"policy asked {asked.count('forward')} times in forward; recomputation:",
+      ", ".join(f"{n} {f}" for n, f in zip(forward, fate, strict=True)))
+
+# %%
 LANE = {"forward": 2, "recompute": 1, "backward": 0}
 COLOUR = {"kept": "tab:red", "forward": "tab:blue", "re-run": "tab:orange", "backward": "tab:blue"}
 boxes = []  # (lane, op, what happened) in time order; the recomputation drawn op by op against the forward
@@ -264,17 +285,13 @@ ax.set(xlabel="time (op by op)",
 save_figure(fig, "05_what_runs_when")
 
 # %% [markdown]
-# Read off the picture:
+# The kept `mm` is *served*, `gelu` and dropout *run again* (orange), the last `mm` never runs (the
+# re-run stops once every saved tensor is filled, notebook 03b). Ours asks the policy in the forward
+# only, on every torch; so does torch's SAC on 2.13 and 2.14.1 (`ctx.is_recompute` always False).
+# torch 2.11's asks again in the recomputation (`ctx.is_recompute=True`): a policy with a counter
+# behaves differently there (notebook 07 §6).
 #
-# 1. **Forward.** Every op runs once; the policy, asked 7 times, keeps the first `mm`'s output
-#    (red). The checkpoint also keeps the block's input.
-# 2. **Backward reaches the block.** The first unpack starts one recomputation: the kept `mm` is
-#    *served* (nothing runs), `gelu` and dropout *run again* (orange), the policy is not asked
-#    again, and the last `mm` never runs: the recomputation stops once every saved tensor is
-#    filled (notebook 03b).
-# 3. **Gradients** use the served and recomputed tensors, freed as they are used.
-#
-# ### 2.3 · The two failing cases, with the package and with torch's SAC (same policies)
+# ### 2.3 · The two failing cases, ours and torch's SAC
 
 
 # %%
@@ -288,15 +305,13 @@ for fn, packet in ((two_draws, torch.ops.aten.rand_like), (in_place, torch.ops.a
             print(f"{fn.__name__}, keep {packet.__name__}, {name:<29} raises RuntimeError: {error}")
 
 # %% [markdown]
-# The package is right in both. torch 2.13's eager SAC refuses the in-place case (its cache checks
-# version counters) but serves the first draw: wrong gradients, silently. Keeping random ops is
-# unusual, but no policy is stopped from it; `tests/test_selective.py` pins both behaviours.
+# Ours is right in both. torch 2.13's SAC refuses the in-place case (its cache checks version
+# counters) but serves the first draw: wrong gradients, silently (`tests/test_selective.py`).
 #
-# ## 3 · The same policy, ours and torch's, side by side
+# ## 3 · The same policy, ours and torch's
 #
-# "Save the matmuls" on the transformer block: gradients, bytes kept for backward
-# (`measure_memory`'s retained bytes) and FLOPs recomputed (`CostCounter`, the step with
-# checkpointing minus the step without).
+# "Save the matmuls" on the transformer block: gradients, bytes kept
+# ([retained](glossary.md#retained), `measure_memory`) and FLOPs recomputed (`CostCounter`).
 
 # %%
 def step_cost(forward):
@@ -325,49 +340,52 @@ print(f"saving the matmuls recomputes {sac_share:.1%} of what the plain checkpoi
 #
 # ### 3.1 · Where selective checkpointing saves nothing
 #
-# Keeping an output costs its bytes whether or not autograd would have saved it. Two cases:
+# Where *any* checkpoint saves nothing (around the whole model, the last stage, inputs the caller
+# keeps) is [notebook 02, §9](02_reentrant_checkpoint.ipynb#9.-Where-checkpointing-saves-nothing).
+# A policy adds its own cases: a kept output costs its bytes whether or not autograd would save it.
+#
+# **Predict.** The policy "save everything" on the block keeps more bytes than no checkpointing,
+# fewer, or the same?
+
+# %%
+guess = None  # your guess: "more", "fewer" or "the same"
 
 # %%
 save_all = retained(lambda: selective_checkpoint(block, x, policy=lambda ctx, op, *a, **k: True))
+plain = table["no checkpointing"][1]
+reveal(guess, "more" if save_all > plain else "fewer" if save_all < plain else "the same", "save everything")
+print(f"block: policy 'save everything' {save_all / 1024:.1f} KiB, no checkpointing {plain / 1024:.1f} KiB")
 torch.manual_seed(0)
 linears = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
 lin_runs = {"none": lambda: linears(x), "plain checkpoint": lambda: checkpoint(linears, x),
             "SAC, save matmuls": lambda: selective_checkpoint(linears, x, policy=MATMULS)}
-none_kib = table["no checkpointing"][1] / 1024
-print(f"block: policy 'save everything' {save_all / 1024:.1f} KiB, no checkpointing {none_kib:.1f} KiB")
 print("4 Linear layers:", ", ".join(f"{k} {retained(r) / 1024:.1f} KiB" for k, r in lin_runs.items()))
 
 # %% [markdown]
-# * **Saving everything** keeps *more* than no checkpointing (1282 against 994 KiB): outputs
-#   autograd would never save (a `clone`, a residual `add`), and dropout still re-runs.
-# * **A block made only of the ops you keep** (Linear layers, "save the matmuls") keeps every
-#   activation: no checkpointing's 128 KiB, against 32 KiB for the plain checkpoint.
-# * As for any checkpoint (notebook 02): around the whole model, or around inputs the caller
-#   keeps alive, it saves nothing.
+# Saving everything keeps outputs autograd would never save (a `clone`, a residual `add`). A block
+# made only of the ops you keep (Linear layers, "save the matmuls") keeps every activation: no
+# checkpointing's 128 KiB, against 32 KiB for the plain checkpoint.
 #
 # ## 4 · A memory-budget planner
 #
-# Given a *budget* (bytes the forward may keep for backward), which outputs to keep?
-# Keeping op *i* costs `nbytes[i]` and saves `cost[i]` of recomputation, independently of the
-# others (a recomputation runs every op it does not find cached): the 0/1 knapsack problem,
+# Given a *budget* (bytes the forward may keep for backward), which outputs to keep? Keeping op
+# *i* costs its bytes and saves its recomputation, independently of the others: a 0/1 knapsack,
 #
-# maximise $\sum_{i \in S} \mathrm{cost}_i$ subject to $\mathrm{inputs} + \sum_{i \in S} \mathrm{nbytes}_i \le \mathrm{budget}$.
+# maximise $\sum_{i \in S} c_i$ subject to $\mathrm{inputs} + \sum_{i \in S} b_i \le \mathrm{budget}$ ($c$: cost, $b$: nbytes).
 #
-# `solve_greedy` keeps the best cost per byte first (fast, not always optimal); `solve_dp` is
-# exact: a dynamic program over bytes, in units of the sizes' greatest common divisor to keep the
-# table small. Its core (the walk back that reads off the choice follows):
+# `solve_greedy` keeps the best cost per byte first; `solve_dp` is exact: a dynamic program over
+# bytes, in units of the sizes' greatest common divisor. Its core:
 
 # %%
 show_source(planner.solve_dp, start="best = np.zeros", stop="# Walk back")
 
 # %% [markdown]
-# The exact program against brute force (every subset) on 300 random problems of up to 12 items
-# (`tests/test_planner.py` runs the same check under hypothesis):
+# Against brute force (every subset), 300 random problems of up to 12 items (as
+# `tests/test_planner.py` does under hypothesis):
 
 # %%
 SOLVERS = (planner.solve_greedy, planner.solve_dp, planner.solve_brute_force)
-rng = random.Random(0)
-agree, greedy_worse = 0, 0
+rng, agree, greedy_worse = random.Random(0), 0, 0
 for _ in range(300):
     items = [(i, 4 * 2 ** rng.randint(0, 10), float(rng.randint(0, 1000))) for i in range(rng.randint(1, 12))]
     capacity = rng.randint(0, 8000)
@@ -379,12 +397,10 @@ print(f"DP optimal in {agree}/300; greedy below the optimum in {greedy_worse}/30
 # %% [markdown]
 # ### Planning a stack
 #
-# One region per block keeps each block's input, as per-block checkpointing does; the planner
-# spends the rest of the budget across all blocks at once. Calling the `Plan` runs one
-# `selective_checkpoint` per block, keeping the chosen ops *by position* (and checking that the
-# block still runs the ops it was profiled with). Four transformer blocks, five budgets from the
-# minimum (plain checkpointing) to keeping every candidate; each plan is run and measured (in the
-# budget's terms: plus the first input, minus the output and the 4-byte loss).
+# One region per block keeps each block's input; the planner spends the rest of the budget across
+# all blocks. Calling the `Plan` runs one `selective_checkpoint` per block. Four transformer blocks,
+# five budgets from plain checkpointing to every candidate; each plan is run and its retained bytes
+# measured in the budget's terms (plus the first input, minus output and loss).
 
 # %%
 torch.manual_seed(0)
@@ -418,9 +434,9 @@ print(f"at {plans['dp', 0.1].budget / 1024:.0f} KiB greedy recomputes {extra:.1%
 
 # %% [markdown]
 # Measured equals predicted, to the byte and the FLOP; the first ~1.2 MiB above plain
-# checkpointing buy back almost all of the recomputation. **What each plan keeps**: on top what
-# keeping a candidate saves, below its bytes, red where kept; then what one plan keeps that the
-# other does not (block·op):
+# checkpointing buy back almost all of the recomputation. **What each plan keeps** (top: FLOPs a
+# candidate saves; below: its bytes, red where kept), and what one plan keeps that the other does
+# not (block·op):
 
 # %%
 cands = [(b, r) for b, p in enumerate(profiles) for r in p.candidates]
@@ -446,12 +462,10 @@ for p, q in (shown_plans[:2], shown_plans[1::-1]):  # what dp keeps that greedy 
     print(f"at {p.budget // 1024} KiB only {p.method} keeps {names}: {kib:.0f} KiB, {mflops:.2f} MFLOPs")
 
 # %% [markdown]
-# Matmul outputs and the blocks' last layer norm (1 KiB, marked ▼) come first, as a rule of thumb
-# would guess, but chosen by bytes (appendix B plans by measured time). At 628 KiB greedy falls
-# short: three matmul outputs per block (32, 96 and 128 KiB) tie on FLOPs per byte; greedy fills
-# the room with four 32 KiB ones, the exact plan keeps block 0's 128 KiB feed-forward `addmm`
-# instead and recomputes 0.52 MFLOPs less. Does the plan run under torch's checkpoint
-# (`Plan.torch_context_fn`)?
+# Matmul outputs and the blocks' last layer norm (1 KiB, ▼) come first. At 628 KiB three matmul
+# outputs per block (32, 96, 128 KiB) tie on FLOPs per byte; greedy fills the room with four 32 KiB
+# ones, the exact plan keeps block 0's 128 KiB `addmm` and recomputes 0.52 MFLOPs less. The plan
+# also runs under torch's checkpoint (`Plan.torch_context_fn`):
 
 # %%
 quarter = plans["dp", 0.25]
@@ -463,19 +477,26 @@ torch_planned = grads_of(lambda: run_stack_torch(x), stack_leaves)
 print("torch checkpoint with the plan == no checkpointing:", same(torch_planned, stack_expected))
 
 # %% [markdown]
-# **What the model leaves out.** The budget bounds what is kept *between* forward and backward,
-# not the peak during backward. Checkmate (Jain et al., MLSys 2020) bounds the true peak with an
-# integer linear program over every tensor's lifetime; our knapsack is its special case "one
-# recomputation per region". Our plan is made once, for fixed shapes; Dynamic Tensor
-# Rematerialization (DTR; Kirisame et al., ICLR 2021) decides *online*, evicting the tensor with
-# the smallest `cost / (bytes × staleness)` (`solve_greedy` without staleness, applied once).
+# **What the model leaves out.** The budget bounds the [retained](glossary.md#retained) bytes, not
+# the [peak](glossary.md#peak); `ckpt_lab.peak_planner` budgets the peak ([notebook
+# 07b](07b_explain_real_model.ipynb), "The peak, not the kept bytes"), as Checkmate (Jain et al.,
+# MLSys 2020) does with an integer program over every tensor's lifetime. DTR (Kirisame et al., ICLR
+# 2021) decides *online*, evicting the smallest `cost / (bytes × staleness)`; our plan is made once.
+#
+# **Your turn.** Write the knapsack solver and a selective policy that meets a budget in `exercises/05_selective_budget.py` (open it from the file browser); the cell below grades them with this notebook's instruments.
+
+# %%
+from ckpt_lab.exercises import check
+
+check("05-selective-budget", "exercises/05_selective_budget.py")
+
+# %% [markdown]
 #
 # ## 5 · The Pareto frontier
 #
-# The benchmark's two stacks: four `TransformerEncoderLayer`s (d_model 256, 8 × 128 tokens) and
-# eight Linear(1024) + GELU + Dropout blocks (batch 64), each strategy measured as in section 4:
-# none, per-block, √N segments, "save the matmuls" (ours and torch's), the planner at six budgets
-# per solver, and CPU offload:
+# The benchmark's stacks (four `TransformerEncoderLayer`s, d_model 256, 8 × 128 tokens; eight
+# Linear(1024) + GELU + Dropout blocks, batch 64), each strategy measured as in §4: none,
+# per-block, √N, "save the matmuls" (ours, torch's), the planner at six budgets per solver, offload:
 
 # %%
 workloads = {"transformer-4": bench.transformer(4), "mlp-8": bench.mlp(8)}
@@ -505,22 +526,18 @@ for name, pts in points.items():
 
 # %% [markdown]
 # * **A staircase with a cliff.** On the transformer, the first ~50 MiB above plain checkpointing
-#   (the matmul outputs) buy back almost all of the recomputation. "Save the matmuls" (ours and
-#   torch's, on top of each other) sits at the cliff's foot, on the frontier.
-# * **√N segments** is off it: 4 blocks make 2 segments, the last unchecked. It shines on long
-#   chains of equal blocks (notebook 02).
-# * **The planner's top end** keeps more than "no checkpointing": every block stays a checkpoint
-#   (section 3.1).
-# * **Under `torch.compile`** the partitioner makes this trade by itself, across block boundaries:
-#   [notebook 08](08_compiler_checkpointing.ipynb) puts its `activation_memory_budget` points on
-#   this picture and hands this planner's plan to it.
+#   (the matmul outputs) buy back almost all of the recomputation; "save the matmuls" (ours and
+#   torch's, superposed) sits at the cliff's foot, on the frontier.
+# * **√N segments** is off it: 4 blocks make 2 segments, the last unchecked.
+# * **The planner's top end** keeps more than no checkpointing: every block stays a checkpoint.
+# * **Under `torch.compile`** the partitioner makes this trade itself: [notebook
+#   08](08_compiler_checkpointing.ipynb) puts its `activation_memory_budget` points on this picture.
 #
 # ## 6 · CPU offload
 #
-# Move saved tensors to host memory in the forward and back in backward: no FLOPs, every byte over
-# PCIe twice. `ckpt_lab.offload.offload_to_cpu` is notebook 03's pack/unpack hook with pinned,
-# non-blocking copies on CUDA, byte counts, and parameters left in place. On this CPU-only machine
-# `include_cpu_tensors=True` is a dry run.
+# Saved tensors go to host memory in the forward and come back in backward: no FLOPs, every byte
+# over PCIe twice. `offload_to_cpu` is notebook 03's pack/unpack hook with pinned, non-blocking
+# copies on CUDA, byte counts, leaves left in place; `include_cpu_tensors=True` is a dry run on CPU.
 
 # %%
 torch.manual_seed(0)
@@ -538,20 +555,34 @@ print(f"moved to host: {hooks.tensors_moved} tensors, {hooks.bytes_moved / 1024:
       f"({hooks.bytes_kept / 1024:.0f} KiB: parameters, which stay alive anyway)")
 PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16, about 25 GB/s each way: out in forward, back in backward
 print(f"estimated transfer: {2 * hooks.bytes_moved / PCIE_BYTES_PER_S * 1e6:.0f} µs per step for this MLP")
-fig, ax = plt.subplots(figsize=(6, 1.4))  # where the saved tensors wait for backward
-ax.barh(["offload", "no offload"], [hooks.bytes_kept / 1024, (hooks.bytes_kept + hooks.bytes_moved) / 1024])
-ax.barh(["offload"], [hooks.bytes_moved / 1024], left=[hooks.bytes_kept / 1024])
-ax.set(xlabel="saved KiB: blue stays on the device, orange moves to the host")
-save_figure(fig, "05_offload")
 
 # %% [markdown]
-# On a GPU, `tests/test_offload.py` checks that `memory_allocated` drops (not run here).
+# **Offload around SAC.** An enclosing hook sees what autograd saves (around SAC, the block's
+# input), not SAC's cache, unless `respect_saved_tensors_hooks=True` (torch 2.14's keyword; ours
+# accepts it on 2.13). `None` (default) and `False` bypass the hooks, as torch 2.13's SAC does;
+# 2.14's bypasses too, but warns at `None` that a future release will not. §2.2's block, keeping
+# both `mm`s:
+
+# %%
+sacs = {f"ckpt_lab, respect_saved_tensors_hooks={s}": functools.partial(
+    selective_checkpoint, respect_saved_tensors_hooks=s) for s in (None, False, True)}
+sacs["torch 2.13 SAC"] = torch_sac
+for name, sac in sacs.items():
+    with offload_to_cpu(include_cpu_tensors=True) as hooks:
+        out = sac(mlp_block, h0, policy=[torch.ops.aten.mm.default])
+    out.sum().backward()
+    print(f"{name:<43} moved to host: {hooks.tensors_moved} tensors ({hooks.bytes_moved} bytes); "
+          f"kept: {hooks.tensors_kept} ({hooks.bytes_kept} bytes, h0: a leaf)")
+
+# %% [markdown]
+# Only with `True` do the two cached `mm` outputs (2,048 + 512 bytes) move.
 #
-# ## 7 · The BatchNorm pitfall
+# ## 7 · The BatchNorm pitfall <a id="batchnorm"></a>
 #
-# In training mode BatchNorm also does `num_batches_tracked += 1` and blends the batch statistics
-# into `running_mean` / `running_var` in place. A checkpoint runs the block twice, so both happen
-# twice. One step under each checkpoint, without and with the fix:
+# In training mode every BatchNorm forward updates its buffers in place: `num_batches_tracked +=
+# 1`, and the batch statistics blended into `running_mean` / `running_var`. A checkpoint runs the
+# forward again in backward, so both happen twice. One step under each checkpoint and the scope
+# (notebook 04), without and with the fix:
 
 
 # %%
@@ -562,10 +593,14 @@ def one_step(wrap, fix=False):
         skip_stats_update_in_recompute(model)
     grads = grads_of(lambda: wrap(model, torch.randn(16, 32, requires_grad=True)), list(model.parameters()))
     return model[1].num_batches_tracked.item(), model[1].running_mean.clone(), grads
+def scoped(m, w):
+    with gradient_checkpoint_scope():
+        return m(w)
 variants = {"no checkpointing": lambda m, w: m(w), "ckpt_lab.checkpoint": checkpoint,
             "ckpt_lab.reentrant_checkpoint": reentrant_checkpoint,
             "torch reentrant": lambda m, w: torch_checkpoint(m, w, use_reentrant=True),
-            "torch non-reentrant": lambda m, w: torch_checkpoint(m, w, use_reentrant=False)}
+            "torch non-reentrant": lambda m, w: torch_checkpoint(m, w, use_reentrant=False),
+            "gradient_checkpoint_scope": scoped}
 _, ref_mean, ref_grads = one_step(variants["no checkpointing"])
 steps = {name: (one_step(wrap), one_step(wrap, fix=True)) for name, wrap in variants.items()}
 print(f"{'':<30} batches mean / plain grads ok | fixed: batches mean ok grads ok")
@@ -573,43 +608,39 @@ for name, ((count, mean, grads), (fixed_count, fixed_mean, fixed_grads)) in step
     ratio = (mean / ref_mean).mean().item()  # the running mean starts at 0; each update: 0.1 of the gap
     print(f"{name:<30} {count:>7} {ratio:>12.2f} {same(grads, ref_grads)!s:>8} | "
           f"{fixed_count:>14} {torch.equal(fixed_mean, ref_mean)!s:>7} {same(fixed_grads, ref_grads)!s:>8}")
-fig, ax = plt.subplots(figsize=(6, 2.2))
-for k in range(2):  # num_batches_tracked after one step, without the fix and with it
-    ax.barh([i + 0.4 * k - 0.2 for i in range(len(steps))], [s[k][0] for s in steps.values()], 0.4)
-ax.set(yticks=range(len(steps)), yticklabels=list(steps), ylim=(len(steps) - 0.5, -0.5), xticks=[0, 1, 2],
-       xlabel="num_batches_tracked after one step: blue without the fix, orange with it")
-save_figure(fig, "05_batchnorm")
+assert [s[0][0] for s in steps.values()] == [1, 2, 2, 2, 2, 1] and all(s[1][0] == 1 for s in steps.values())
 
 # %% [markdown]
-# Every checkpoint counts two batches and moves the running mean 1.9 times as far (0.1 of the batch
-# mean, then 0.1 more of what is left). Gradients are unaffected, so nothing fails.
-# `skip_stats_update_in_recompute` hooks each BatchNorm. In training, a forward *inside backward*
-# is a recomputation: the pre-hook stashes the real buffers and swaps in copies; a post-hook
-# with `always_call=True` puts them back, even when the recomputation stops early by raising:
+# All four checkpoints count two batches and move the running mean 1.9 times as far (0.1 of the
+# batch mean, then 0.1 more of what is left). Gradients are unaffected (training mode normalises
+# with the batch's statistics): no gradient test fails; the model evaluates worse later. The fix,
+# `skip_stats_update_in_recompute(model)`: a training forward *inside backward* is a recomputation,
+# so a pre-hook swaps in copies of the buffers and a post-hook (`always_call=True`) puts the real
+# ones back, even when the recomputation stops early:
 
 # %%
 show_source(skip_stats_update_in_recompute, start="with _disable_current_modes", stop="def post_hook")
 
 # %% [markdown]
-# Why not `track_running_stats = False` instead? `native_batch_norm` then saves two tensors fewer
-# than in the forward, and the non-reentrant checkpoints, which match saved tensors by position,
-# refuse (`tests/test_batchnorm.py`). `gradient_checkpoint_scope` (notebook 04) needs no fix: it
-# already redirects in-place writes to outside tensors into copies.
+# (`track_running_stats = False` is no fix: the re-run then saves two tensors fewer, and the
+# non-reentrant checkpoints refuse; `tests/test_batchnorm.py`.) **The scope needs no fix** (one
+# batch without it): it replays recorded ops, writing into copies of tensors from outside the scope
+# (notebook 04b, A.6).
 #
 # ## Summary
 #
 # | topic | answer | § |
 # |---|---|---|
-# | bytes and FLOPs | matmuls: 31% of a block's candidate bytes, 98% of its FLOPs | 1 |
-# | what runs when | policy asked in forward; backward re-runs the block, serving kept outputs | 2.2 |
-# | runs again anyway | in-place, view, random ops (torch 2.13's SAC: kept random ops wrong) | 2.1, 2.3 |
-# | kept output changed in place; second backward | ours: one op more; torch's errors with `strict=True` | app. C |
-# | ours and torch's SAC | same 416 KiB and FLOPs: 3% of a plain checkpoint's recompute | 3 |
-# | SAC saves nothing | keeping everything (1282 > 994 KiB); a block of kept ops only | 3.1 |
-# | byte budget | 0/1 knapsack, exact DP (greedy 1.9% worse at 628 KiB); measured = predicted | 4 |
-# | the frontier | SAC on it; √N off it for few large blocks | 5 |
-# | offload | every saved byte out and back over PCIe, no FLOPs | 6 |
-# | BatchNorm | two batches per step; `skip_stats_update_in_recompute` makes it one | 7 |
+# | bytes, FLOPs | matmuls: 31% of the candidate bytes, 98% of the FLOPs | 1 |
+# | what runs when | policy asked in forward only (torch 2.11's SAC: also in recompute) | 2.2 |
+# | runs again anyway | in-place, view, random ops (torch 2.13's SAC: kept random wrong) | 2.1, 2.3 |
+# | ours, torch's SAC | same 416 KiB, 3% of a plain checkpoint's recompute | 3 |
+# | saves nothing | keeping everything (1282 > 994 KiB); a block of kept ops | 3.1 |
+# | byte budget | exact knapsack (greedy 1.9% worse at 628 KiB); measured = predicted | 4 |
+# | frontier | SAC on it; √N off it for few large blocks | 5 |
+# | offload | no FLOPs; SAC's cache only with `respect_saved_tensors_hooks=True` | 6 |
+# | BatchNorm | 2 batches per step under each checkpoint, 1 with the fix; scope: 1 | 7 |
+# | kept output changed; 2nd backward | ours: one op more; `strict=True`: torch's errors | app. B |
 #
 # ---
 #
@@ -617,12 +648,13 @@ show_source(skip_stats_update_in_recompute, start="with _disable_current_modes",
 #
 # ### A · Refusals
 #
-# Each refused, with its reason: an overload family as a policy, a function that runs other ops
-# when recomputed, a budget below the minimum, a plan used for another computation:
+# An overload family as a policy, a function that runs other ops when recomputed, a budget below
+# the minimum, a plan used for another computation:
 
 # %%
 calls = itertools.count()
-moody = lambda v: v.sin().exp() if next(calls) == 0 else v.cos().exp()  # other ops when recomputed
+def moody(v):  # other ops when recomputed
+    return v.sin().exp() if next(calls) == 0 else v.cos().exp()
 blocks[2].eval()  # dropout off in one block: its ops change, and the quarter plan no longer fits
 for attempt in (lambda: selective_checkpoint(block, x, policy=[torch.ops.aten.mm]),
                 lambda: selective_checkpoint(moody, v, policy=[torch.ops.aten.sin.default]).sum().backward(),
@@ -634,22 +666,10 @@ for attempt in (lambda: selective_checkpoint(block, x, policy=[torch.ops.aten.mm
 _ = blocks[2].train()
 
 # %% [markdown]
-# ### B · Planning by measured time
+# ### B · `strict=True`: torch's errors where ours recomputes
 #
-# With `cost="time"` the profile times each op instead of counting FLOPs (machine-dependent: nbval
-# does not check this output):
-
-# %% tags=["nbval-ignore-output"]
-timed = plan_sequential(blocks, x, budget=quarter.budget, cost="time")
-print("kept, by time:", timed.saved_ops, "| within budget:", timed.retained_bytes <= quarter.budget)
-print(f"predicted recomputation: {timed.recompute_cost * 1e3:.2f} ms per step")
-
-
-# %% [markdown]
-# ### C · `strict=True`: torch's errors where ours recomputes
-#
-# A kept output changed in place later in the forward, and a second backward (`retain_graph=True`):
-# torch's SAC raises in both; ours runs the op again, or raises torch's error with `strict=True`:
+# A kept output changed in place later in the forward, and a second backward: torch's SAC raises in
+# both; ours runs the op again, or raises torch's error with `strict=True`:
 
 # %%
 keep_sin = {"policy": [torch.ops.aten.sin.default]}
@@ -670,7 +690,6 @@ for case, fn, n in (("changed in place", lambda v: v.sin().mul_(2).cos().exp(), 
         print(f"{case}, strict=True: RuntimeError: {str(error).split(' (')[0].split('. ')[0]}")
 
 # %% [markdown]
-# The default gets no checkpointing's gradients for one `sin` more (the backward of `cos` runs one
-# anyway). We keep it: a right gradient for one op's FLOPs beats an error mid-training, and torch's
-# way out (`allow_cache_entry_mutation=True`) serves the changed tensor. `strict=True` flags a
-# policy that keeps an output the forward then overwrites.
+# The default: right gradients for one `sin` more, rather than an error mid-training (torch's way
+# out, `allow_cache_entry_mutation=True`, serves the changed tensor). `strict=True` flags a policy
+# that keeps an output the forward overwrites.

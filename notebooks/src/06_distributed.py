@@ -15,32 +15,36 @@
 # # 06 · Checkpointing under DDP and FSDP
 #
 # **TL;DR.** Checkpointing does not change what `DistributedDataParallel` (DDP) or FSDP compute:
-# with each of five checkpoints (torch's two, and notebooks 02–04's three), DDP trains bitwise like
-# DDP without checkpointing. But the **reentrant** checkpoint (torch's `use_reentrant=True`, which
-# torch 2.13 still picks when you omit the argument, and ours from notebook 02) breaks DDP as soon as `find_unused_parameters=True` is set
-# or a block's weights are used twice: *"Expected to mark a variable ready only once"*. The cause is
-# bookkeeping: DDP insists that each parameter be *marked ready* exactly once per backward, and a
-# reentrant checkpoint hides the block's parameters from the graph and accumulates their gradients
-# in a second, nested backward, so they are marked twice. The fix: the **non-reentrant** checkpoint
-# (`use_reentrant=False`, `ckpt_lab.checkpoint`, the scope), which needs no DDP option at all, or
-# `static_graph=True`. Under FSDP2 (`fully_shard`), `ckpt_lab.checkpoint` goes in through
-# `checkpoint_wrapper` and cuts the activations a rank keeps from 230,400 to 132,096 bytes.
+# with each of five checkpoints, DDP trains bitwise like DDP without checkpointing. But the
+# **reentrant** checkpoint (torch's `use_reentrant=True`, which torch still picks when the argument
+# is omitted, and ours from notebook 02) breaks DDP once `find_unused_parameters=True` is set or a
+# block's weights are used twice: *"Expected to mark a variable ready only once"*. DDP marks each
+# parameter ready exactly once per backward; a reentrant checkpoint hides the block's parameters
+# from the graph and accumulates their gradients in a nested backward, so they are marked twice.
+# The fix: the **non-reentrant** checkpoint, which needs no DDP option, or `static_graph=True`.
+# Under FSDP2 (`fully_shard`), `ckpt_lab.checkpoint` goes in through `checkpoint_wrapper` and cuts
+# the activations a rank keeps from 230,400 to 132,096 bytes. All on the **gloo** backend: two
+# CPU processes play two GPUs.
 #
-# **You will be able to** read that DDP error and name its cause; pick the fix; wrap blocks with a
-# checkpoint under FSDP2 in the right order; and (appendix) run a small distributed job from a
-# notebook on a CPU. Everything runs on `torch.distributed` with the **gloo** backend: two processes
-# on this machine play two GPUs.
+# **After this notebook you can**
 #
-# | question | where |
+# 1. read DDP's "marked as ready twice" and name its cause in the reducer's terms (checked: §2's
+#    assert on the message; §3's assert on the step where DDP raises);
+# 2. tell from a parameter's hook firings whether DDP will raise (checked: §3's prediction; the
+#    replay agrees with DDP in 18 of 18 configurations);
+# 3. pick a fix and say what it changes: the graph, or what DDP waits for (checked: §4's asserts);
+# 4. checkpoint blocks under FSDP2 in the right order and account for the bytes a rank keeps
+#    (checked: §5's prediction and asserts).
+#
+# | question | § |
 # |---|---|
-# | Does checkpointing change what DDP computes? | §1 |
-# | When does the reentrant checkpoint break DDP, and with what error? | §2 |
-# | Why "marked as ready twice", and why not with the non-reentrant checkpoint or the scope? | §3 |
-# | How is it fixed? | §4 |
-# | Why is PyTorch moving checkpointing away from `autograd.Function`? (the forum thread "Tensor.requires_grad in torch.autograd.Function"; one reason, measured) | §3–§4 |
-# | How does `ckpt_lab.checkpoint` plug into FSDP2, and what does it save per rank? | §5 |
-# | What would a GPU change? | §6 |
-# | How can a notebook start distributed workers, and what happens when one fails or hangs? | Appendix (optional) |
+# | Does checkpointing change what DDP computes? | 1 |
+# | When does the reentrant checkpoint break DDP, with what error? | 2 |
+# | Why "marked as ready twice", and not with the non-reentrant checkpoint or the scope? | 3 |
+# | The fixes? Why is PyTorch moving checkpointing away from `autograd.Function`? (the forum thread "Tensor.requires_grad in torch.autograd.Function"; one reason, measured) | 3, 4 |
+# | `ckpt_lab.checkpoint` under FSDP2: what does a rank keep? | 5 |
+# | What would a GPU change? | 6 |
+# | Starting distributed workers from a notebook; a worker that fails or hangs | Appendix |
 
 # %%
 import warnings
@@ -61,6 +65,7 @@ from ckpt_lab.distributed import (
     sum_of_ranks,
     trace_parameter_hooks,
 )
+from ckpt_lab.helpers.predict import reveal
 from ckpt_lab.helpers.processes import WorkerError, run_workers
 from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.viz import draw_graph, plot_memory_bars, save_figure
@@ -71,22 +76,21 @@ print("torch", torch.__version__)
 # %% [markdown]
 # ## 1. DDP with checkpointed blocks: the same result
 #
-# A distributed job is several processes, one per device, each called a **rank**; they meet in a
-# *process group* and exchange tensors with **collectives** (an `all_reduce` sums a tensor over all
-# ranks and gives every rank the total). `run_workers(fn, **kwargs)` starts 2 such processes, runs
-# `fn(rank, world_size, **kwargs)` in each and returns their results in rank order; `fn` must live in
-# a module (here `ckpt_lab.distributed`), never in a notebook cell. How it starts, stops and reports
-# is the optional [Appendix](#Appendix:-the-process-launcher).
+# A distributed job is several processes, one per device, each a **rank**; they meet in a *process
+# group* and exchange tensors with **collectives** (an `all_reduce` sums a tensor over all ranks and
+# gives every rank the total). `run_workers(fn, **kwargs)` starts 2 processes, runs `fn(rank,
+# world_size, **kwargs)` in each and returns their results in rank order; `fn` must live in a module
+# (here `ckpt_lab.distributed`), not a notebook cell ([Appendix](#Appendix:-the-process-launcher)).
 #
 # **DDP** keeps a full copy of the model on every rank; each rank runs forward and backward on its
 # own slice of the batch, and DDP **averages the gradients** across ranks during backward, so every
-# copy takes the same optimizer step. It learns that a parameter's gradient is ready from a hook on
-# the parameter's gradient accumulator (the `AccumulateGrad` node of notebook 01), and all-reduces
-# gradients in buckets as soon as a bucket is complete, overlapping communication with backward.
+# copy takes the same step. It learns that a parameter's gradient is ready from a hook on the
+# parameter's [`AccumulateGrad`](glossary.md#accumulategrad) node (§3), and all-reduces gradients in
+# buckets as soon as a bucket is complete, overlapping communication with backward.
 #
 # The model, `TinyNet`: a stem (`Linear`), three residual blocks (`x + tanh(linear(x))`), a head.
-# Each block runs through one of six strategies, named by their labels in the project's registry
-# (`ckpt_lab/strategies.py`; a label is a string, so it travels to the workers):
+# Each block runs through one of six strategies, by their labels in the project's registry
+# (`ckpt_lab/strategies.py`; a string travels to the workers):
 #
 # | label | what runs per block |
 # |---|---|
@@ -97,11 +101,10 @@ print("torch", torch.__version__)
 # | `ckpt_lab.checkpoint` | `checkpoint(block, x)` (notebook 03b) |
 # | `ckpt_lab.gradient_checkpoint_scope` | `with gradient_checkpoint_scope(): block(x)` (notebook 04) |
 #
-# The worker [`ddp_train_steps`](../ckpt_lab/distributed.py) trains 3 SGD steps in float64 under DDP
+# The worker `ddp_train_steps` (`ckpt_lab/distributed.py`) trains 3 SGD steps in float64 under DDP
 # (2 ranks × 4 samples) and checks itself three ways: against one process trained on the whole
-# batch of 8 (for a mean loss, the ranks' average gradient is the whole batch's gradient), bitwise
-# against the same DDP run without checkpointing, and against rank 0's parameters, broadcast to
-# every rank. It returns the verdicts as booleans; an error DDP raises comes back as `error`.
+# batch of 8, bitwise against DDP without checkpointing, and against rank 0's parameters, broadcast
+# to every rank. It returns the verdicts as booleans; an error DDP raises comes back as `error`.
 
 # %%
 default_runs = {s: run_workers(ddp_train_steps, timeout=120, strategy=s) for s in STRATEGIES}
@@ -117,17 +120,16 @@ for strategy, (rank0, rank1) in default_runs.items():
 
 # %% [markdown]
 # Every strategy trains like the single-process reference (to 1e-12 in float64: the sum over ranks
-# adds in another order) and **bitwise** like DDP without checkpointing: recomputation reproduces
-# the forward exactly. The first block ran 6 times in 3 steps under the four checkpoints (once in
-# forward, once in backward's recomputation), 3 times without; the scope replays the block's
-# recorded aten ops instead of calling the module, so its module count stays 3.
+# adds in another order) and **bitwise** like DDP without checkpointing. The first block ran 6 times
+# in 3 steps under the four checkpoints (forward, then backward's recomputation), 3 times without;
+# the scope replays the block's recorded aten ops without calling the module, so its count stays 3.
 #
 # **Why the reference matches**: the all-reduce, replayed in this process on the workers' model and
 # batch. Each rank's gradient of the head's weight on its 4 samples, their average (what every rank
 # steps with), and one process's gradient on all 8:
 
 # %%
-net, (inputs, targets) = distributed._build(), distributed._global_batch(8)
+net, (inputs, targets) = distributed.build_model(), distributed.global_batch(8)
 def head_grad(rows):
     net.zero_grad()
     torch.nn.functional.mse_loss(net(inputs[rows]), targets[rows]).backward()
@@ -146,28 +148,23 @@ average, whole = list(grads.values())[2:]
 print("average of the ranks == whole batch, to 1e-12:", torch.allclose(average, whole, rtol=0, atol=1e-12))
 
 # %% [markdown]
-# The ranks' gradients differ (different samples); their average is the whole batch's, to
-# rounding, because the loss is a mean over samples. With DDP's default options even the reentrant
+# The ranks' gradients differ (different samples); their average is the whole batch's, to rounding,
+# because the loss is a mean over samples. With DDP's default options even the reentrant
 # checkpoints work. Two settings that real models need break them.
 #
 # ## 2. The failure: "marked as ready twice"
 #
 # * `find_unused_parameters=True`: needed whenever some parameters take no part in a step (a
-#   mixture-of-experts layer, a frozen branch, a head used every other step). After each forward,
-#   DDP must find out which parameters will get no gradient, so that it does not wait for them.
-# * **tied weights** (`repeat=2`): the same blocks run twice, as in ALBERT or a universal
-#   transformer, so each checkpointed block is called twice per forward.
+#   mixture-of-experts layer, a frozen branch). After each forward, DDP must find out which
+#   parameters will get no gradient, so that it does not wait for them.
+# * **tied weights** (`repeat=2`): the same blocks run twice, as in ALBERT, so each checkpointed
+#   block is called twice per forward.
 
 # %%
-failing_options = {
-    "find_unused_parameters=True": {"find_unused_parameters": True},
-    "tied weights": {"repeat": 2},
-}
-runs = {
-    (strategy, label): run_workers(ddp_train_steps, timeout=120, strategy=strategy, **options)
-    for strategy in STRATEGIES
-    for label, options in failing_options.items()
-}
+failing_options = {"find_unused_parameters=True": {"find_unused_parameters": True},
+                   "tied weights": {"repeat": 2}}
+runs = {(strategy, label): run_workers(ddp_train_steps, timeout=120, strategy=strategy, **options)
+        for strategy in STRATEGIES for label, options in failing_options.items()}
 print(f"{'strategy':36} {'find_unused_parameters=True':28} tied weights (repeat=2)")
 for strategy in STRATEGIES:
     cells = []
@@ -180,9 +177,8 @@ for strategy in STRATEGIES:
 
 # %% [markdown]
 # Both reentrant checkpoints, torch's and ours, fail in both settings, on both ranks; the three
-# non-reentrant strategies train correctly, as does the model without checkpointing. The error
-# (torch's reentrant checkpoint with `find_unused_parameters=True`, rank 0), first and last
-# sentence:
+# non-reentrant strategies train correctly. The error (torch's reentrant checkpoint with
+# `find_unused_parameters=True`, rank 0), first and last sentence:
 
 # %%
 message = runs["torch reentrant", "find_unused_parameters=True"][0].error
@@ -193,8 +189,10 @@ print(f"reentrant failures with exactly this message: {sum(same)} of {len(same)}
 assert all(same)
 
 # %% [markdown]
-# And the failing variant is the one you get when you do not choose: in torch 2.13, `checkpoint`
-# without `use_reentrant` warns, then runs the reentrant `CheckpointFunction`:
+# And the failing variant is the one you get when you do not choose: `checkpoint` without
+# `use_reentrant` warns, then runs the reentrant `CheckpointFunction`. Shown on torch 2.13; 2.11 and
+# 2.14.1 do the same, and none of them raises as the warning's "Starting in PyTorch 2.9, calling
+# checkpoint without use_reentrant will raise" says (README, "Torch versions"):
 
 # %%
 block = TinyNet().double().blocks[0]
@@ -210,10 +208,13 @@ assert type(out.grad_fn).__name__ == "CheckpointFunctionBackward"
 # ## 3. Why: what DDP's reducer counts
 #
 # DDP's *reducer* (the part that buckets and all-reduces gradients) keeps one rule: **in every
-# backward, each parameter is marked ready exactly once**. It marks a parameter ready when the hook
-# on its gradient accumulator fires. With `find_unused_parameters=True` it also walks the autograd
-# graph from the forward's output, and every parameter the walk does not reach is declared unused
-# and marked ready at once when backward's first hook fires, since no gradient will come for it.
+# backward, each parameter is marked ready exactly once**. It marks a parameter ready when its hook
+# fires: a C++ post-hook the reducer registers on the parameter's `AccumulateGrad` node
+# (`grad_accumulator->add_post_hook(...)`, calling `autograd_hook`, in `Reducer::Reducer`,
+# [reducer.cpp](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/csrc/distributed/c10d/reducer.cpp)),
+# so once per run of that node. With `find_unused_parameters=True` it also walks the autograd graph
+# from the forward's output, and every parameter the walk does not reach is declared unused and
+# marked ready when backward's first hook fires, since no gradient will come for it.
 #
 # Now recall notebooks 01 and 02. A reentrant checkpoint is a custom `autograd.Function`; its node
 # links only to its **tensor inputs**. The block's parameters are not inputs: they are used inside
@@ -234,11 +235,30 @@ draw_graph(model(x).sum(), dict(model.named_parameters()), name="06_reentrant_gr
 #
 # The node's backward recomputes the block with grad on and runs a **nested** backward through that
 # private graph (notebook 02), and *that* is where the parameters' gradients are accumulated and
-# their hooks fire. The autograd engine runs each call of `backward` as a **graph task** (its record
-# of what to run, with an id: `torch._C._current_graph_task_id()`, -1 outside backward); a backward
-# started inside a node's backward is a new, nested graph task. `what_runs_when` records, in one
-# process and without DDP, each module call (with the grad mode it ran in) and each firing of the
-# hook DDP relies on (`register_post_accumulate_grad_hook`), with its graph task:
+# their hooks fire: in a second [graph task](glossary.md#graph-task) (its id:
+# `torch._C._current_graph_task_id()`, private torch API, -1 outside backward).
+#
+# DDP's C++ hook is out of Python's sight; `register_post_accumulate_grad_hook` stands in for it. It
+# runs inside the same `AccumulateGrad` node, right after the node wrote `.grad`, and the node's
+# post-hooks (DDP's among them) run as the node returns. A Python post-hook on the node itself
+# (`Node.register_hook`, the kind DDP registers) fires right after it, every time:
+
+# %%
+tied, fired, nodes = TinyNet(strategy="torch reentrant", repeat=2).double(), [], []
+for name, p in tied.named_parameters():
+    p.register_post_accumulate_grad_hook(lambda _p, name=name: fired.append(("tensor hook", name)))
+    nodes.append(p.view_as(p).grad_fn.next_functions[0][0])  # p's AccumulateGrad, kept alive as DDP does
+    nodes[-1].register_hook(lambda *_, name=name: fired.append(("node post-hook", name)))
+tied(x).sum().backward()
+tensor_hooks, node_hooks = fired[::2], fired[1::2]
+pairs = all(t == ("tensor hook", n) for t, (_, n) in zip(tensor_hooks, node_hooks, strict=True))
+print(f"{len(tensor_hooks)} firings; each followed by the node post-hook of the same parameter:",
+      pairs and all(kind == "node post-hook" for kind, _ in node_hooks))
+
+
+# %% [markdown]
+# `what_runs_when` records, in one process and without DDP, each module call (with its grad mode)
+# and each firing of that stand-in, with its graph task:
 
 # %%
 def what_runs_when(strategy, repeat=1):
@@ -337,9 +357,13 @@ print("steps:", len(reentrant_steps), "and", len(nonreentrant_steps), "| same or
 show_source(ParameterHooks.ready_marks)
 
 # %% [markdown]
-# Per parameter, in both failing settings, for the reentrant and the non-reentrant checkpoint; the
-# dashed line is the reducer's "exactly once", and each panel's title says what DDP really did in
-# §2:
+# **Predict.** With tied weights each block runs twice per forward. Under the non-reentrant
+# `ckpt_lab.checkpoint`, how many times does the hook of `blocks.0.linear.weight` fire in one
+# backward?
+
+# %%
+guess = None  # your guess: a number
+
 
 # %%
 def traced(strategy, repeat=1):
@@ -347,38 +371,8 @@ def traced(strategy, repeat=1):
     return trace_parameter_hooks(TinyNet(strategy=strategy, repeat=repeat).double(), x)
 
 
-fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True, sharey=True)
-for row, (label, options) in zip(axes, failing_options.items(), strict=True):
-    for ax, strategy in zip(row, ["torch reentrant", "ckpt_lab.checkpoint"], strict=True):
-        hooks, walk = traced(strategy, options.get("repeat", 1)), options.get("find_unused_parameters", False)
-        left = [0] * len(hooks)
-        for values, color, legend in [
-            ([int(walk and not h.reachable) for h in hooks], "grey", "declared unused by the walk"),
-            ([h.fired_outer for h in hooks], "tab:green", "hook, outer backward"),
-            ([h.fired_nested for h in hooks], "tab:red", "hook, nested backward"),
-        ]:
-            ax.barh([h.name for h in hooks], values, left=left, color=color, label=legend)
-            left = [a + b for a, b in zip(left, values, strict=True)]
-        ax.axvline(1, ls="--", color="black")
-        verdict = "DDP raised" if runs[strategy, label][0].error else "DDP trained"
-        ax.set_title(f"{strategy} · {label}\n{verdict}", fontsize=9)
-axes[0, 0].invert_yaxis()
-axes[1, 0].set_xlabel("times marked ready in one backward")
-axes[1, 0].set_xticks([0, 1, 2])
-axes[0, 1].legend(fontsize=8, loc="lower right")
-fig.tight_layout()
-save_figure(fig, "06_ready_marks")
-plt.show()
-
-# %% [markdown]
-# Top left: the walk marks the blocks' parameters (grey), then a nested backward marks them again
-# (red). Bottom left, tied weights: each block is checkpointed twice, so backward runs two nested
-# backwards per block and each accumulates into the parameter on its own: two hook firings, even
-# without the walk. Right: the non-reentrant checkpoint leaves the graph as a plain forward builds
-# it; every parameter is reachable, and with tied weights autograd *sums* the two incoming gradients
-# before it runs the accumulator once, as for any tensor used twice. The counts behind the picture:
-
-# %%
+weight = {h.name: h for h in traced("ckpt_lab.checkpoint", repeat=2)}["blocks.0.linear.weight"]
+reveal(guess, weight.fired_outer + weight.fired_nested, "hook firings (tied weights, non-reentrant)")
 print(f"{'strategy':22} {'setting':28} parameters marked != 1 (max marks)")
 for label, options in failing_options.items():
     for strategy in ["torch reentrant", "ckpt_lab.checkpoint"]:
@@ -387,8 +381,12 @@ for label, options in failing_options.items():
         print(f"{strategy:22} {label:28} {sum(c != 1 for c in counts)} of {len(counts)} ({max(counts)})")
 
 # %% [markdown]
-# The replay predicts DDP exactly: for every strategy and setting, "some parameter is marked a
-# number of times other than one" holds exactly when DDP raised.
+# The non-reentrant checkpoint leaves the graph as a plain forward builds it, and autograd
+# *sums* the two incoming gradients before it runs the accumulator once, as for any tensor used
+# twice. The reentrant checkpoint marks the six block parameters twice in both settings: the walk
+# and then a nested backward, or, with tied weights, two nested backwards per block, each
+# accumulating on its own. The replay predicts DDP exactly: for every strategy and setting, "some
+# parameter is marked a number of times other than one" holds exactly when DDP raised.
 
 # %%
 agree = []
@@ -473,12 +471,11 @@ plt.show()
 
 # %% [markdown]
 # First row, the failure: two marks where DDP waits for one. `static_graph=True` changes what DDP
-# waits for, not the graph: no walk, and it waits for the count it learned (one firing with
-# `find_unused_parameters`, two with tied weights), so the nested backwards' firings are expected.
-# The non-reentrant checkpoints change the graph instead: one firing, in the outer backward, as
-# without checkpointing. Each verdict is DDP's own in the runs above, and the replay agrees with
-# all ten. This is one of the reasons PyTorch moved checkpointing away from a custom
-# `autograd.Function`, asks every caller to pass `use_reentrant` explicitly, and recommends `False`.
+# waits for, not the graph: no walk, and the count it learned (one firing with
+# `find_unused_parameters`, two with tied weights). The non-reentrant checkpoints change the graph
+# instead: one firing, in the outer backward, as without checkpointing. The replay agrees with DDP's
+# own verdicts in all ten. This is one reason PyTorch moved checkpointing away from a custom
+# `autograd.Function`, asks every caller to pass `use_reentrant`, and recommends `False`.
 #
 # ## 5. FSDP: sharded parameters, checkpointed activations
 #
@@ -490,19 +487,27 @@ plt.show()
 # batch, and that is what checkpointing reduces. The two combine:
 
 # %%
-show_source(distributed._shard, start="    if checkpointed")
+show_source(distributed.shard_model, start="    if checkpointed")
 
 # %% [markdown]
 # `checkpoint_wrapper` accepts any `checkpoint_fn(module, *args)`, so `ckpt_lab.checkpoint` goes in
 # unchanged. Order matters: checkpoint inside, shard outside. FSDP's pre-backward hook, which
 # gathers a block's parameters, fires on the block's output gradient, before the checkpoint's
-# recomputation needs them. The worker [`fsdp_train_steps`](../ckpt_lab/distributed.py) trains 3
-# steps (2 ranks × 64 samples, width 64, float64), compares with a single-process reference, then
-# measures one more forward with `measure_memory` (notebook 01's storage-level instrument) on each
-# rank:
+# recomputation needs them. The worker `fsdp_train_steps` trains 3 steps (2 ranks × 64 samples,
+# width 64, float64), compares with a single-process reference, then measures one more forward's
+# [retained](glossary.md#retained) bytes on each rank (`measure_memory`).
+#
+# **Predict.** Without checkpointing a rank keeps 7 block-sized tensors (64 × 64 float64, 32,768
+# bytes) and 1,024 bytes more. With `ckpt_lab.checkpoint` around each of the 3 blocks, how many
+# block-sized tensors does it keep?
+
+# %%
+guess = None  # your guess: a number
 
 # %%
 fsdp = {flag: run_workers(fsdp_train_steps, timeout=120, checkpointed=flag) for flag in (False, True)}
+block_tensor = 64 * 64 * 8
+reveal(guess, (fsdp[True][0].retained_bytes - 1024) // block_tensor, "block-sized tensors kept, checkpointed")
 print(f"{'':20} {'rank':5} {'params=ref':11} {'grads=ref':10} {'param bytes':>12} {'retained bytes':>15} "
       f"block forwards")
 for checkpointed, results in fsdp.items():
@@ -524,15 +529,13 @@ print(f"one process, whole batch: param bytes {single.full_param_bytes:,}, "
 #   each. FSDP2 splits every parameter along dim 0; the head has a single output row (512 bytes of
 #   weight, 8 of bias), which lands on rank 0: hence the 520 bytes of difference.
 # * **Activations are not sharded, but split by batch**: without checkpointing a rank keeps half of
-#   what one process keeps for the whole batch: 230,400 bytes = 7 block-sized tensors (64 × 64
-#   float64 = 32,768 bytes: each block's input and `tanh` output, and the head's input) + 1,024
-#   bytes (the head's 64 × 1 output, and the loss, whose storage `mse_loss` allocates at the size
-#   of its input). With `ckpt_lab.checkpoint`, a block keeps only its input, so 4 block-sized
-#   tensors remain (the three blocks' inputs, and the last block's output, which the head saves):
-#   4 × 32,768 + 1,024 = 132,096 bytes. The price: the first block ran twice.
+#   what one process keeps for the whole batch: 230,400 bytes = 7 block-sized tensors (each block's
+#   input and `tanh` output, and the head's input) + 1,024 bytes (the head's 64 × 1 output, and the
+#   loss, whose storage `mse_loss` allocates at its input's size). With `ckpt_lab.checkpoint` a
+#   block keeps only its input: 4 block-sized tensors remain (the three blocks' inputs, and the last
+#   block's output, which the head saves), 132,096 bytes. The price: the first block ran twice.
 
 # %%
-block_tensor = 64 * 64 * 8
 for results in fsdp.values():
     assert sum(r.local_param_bytes for r in results) == results[0].full_param_bytes
 for rank in range(2):
@@ -555,33 +558,30 @@ save_figure(fig, "06_fsdp_memory_per_rank")
 plt.show()
 
 # %% [markdown]
-# What the instrument sees here: FSDP allocates the buffers it gathers parameters into during the
-# first step, before the measured one, and afterwards only resizes their storages, which
-# `LiveMemory` does not count as new memory; and a block's gathered buffer is freed after its
-# forward, so it is not retained. What remains is activations, which is what we wanted to measure.
+# What the instrument sees: FSDP allocates the buffers it gathers parameters into in the first step,
+# then only resizes their storages, which `LiveMemory` does not count as new; a block's gathered
+# buffer is freed after its forward. What remains is activations, what we wanted to measure.
 #
 # ## 6. What would a GPU change?
 #
-# Nothing in this notebook needed one. Gloo implements every collective that DDP and FSDP2 use here
-# (all-reduce, broadcast, all-gather, reduce-scatter), `fully_shard` accepts a CPU device mesh, and
-# the byte counts above are storage sizes, the same on any device. A GPU would add the NCCL backend
-# (what real jobs use), the overlap of communication with computation on separate CUDA streams,
-# FSDP's mixed precision and parameter offload, and allocator-level numbers
-# (`torch.cuda.max_memory_allocated`, which `measure_memory` also reports on CUDA). None of these
-# changes the bookkeeping of §3–§4: the reducer's rule and the reentrant checkpoint's nested
-# backward are the same on every device.
+# Nothing here needed one: gloo implements every collective DDP and FSDP2 use here, `fully_shard`
+# accepts a CPU device mesh, and the byte counts are storage sizes, the same on any device. A GPU
+# adds the NCCL backend, communication overlapped on CUDA streams, FSDP's mixed precision and
+# offload, and allocator-level numbers (`torch.cuda.max_memory_allocated`, which `measure_memory`
+# also reports on CUDA). The reducer's rule and the nested backward of §3–§4 are the same on every
+# device.
 #
 # ## Summary
 #
 # | question | answer | shown by |
 # |---|---|---|
 # | Does checkpointing change DDP's result? | no: equal to one process on the whole batch, bitwise equal to DDP without checkpointing | §1, 6 strategies |
-# | When does the reentrant checkpoint break DDP? | `find_unused_parameters=True` or tied weights: "marked as ready twice"; torch 2.13 picks it when `use_reentrant` is omitted | §2, torch's and ours, 4 of 4 runs |
-# | Why? | its node hides the block's parameters from DDP's graph walk, and each nested backward fires their hooks again | §3, what runs when; replay matches DDP in 18 of 18 configurations |
-# | Why not the non-reentrant checkpoint or the scope? | the graph is the ordinary one: all parameters reachable, one hook firing each, in the outer backward | §3 |
-# | The fixes? | the non-reentrant checkpoint (nothing to configure), or `static_graph=True` (DDP learns the counts) | §4 |
-# | FSDP2 with `ckpt_lab.checkpoint`? | checkpoint inside, shard outside; equal to one process; per rank, parameters halved by sharding, activations 230,400 → 132,096 bytes | §5 |
-# | Starting workers from a notebook? | importable worker functions, a fork server, gloo on `127.0.0.1`; errors come back with their traceback, hangs are killed | Appendix |
+# | When does the reentrant checkpoint break DDP? | `find_unused_parameters=True` or tied weights: "marked as ready twice"; torch (2.11 to 2.14.1) picks it when `use_reentrant` is omitted | §2, 4 of 4 runs |
+# | Why? | its node hides the block's parameters from DDP's walk, and each nested backward fires their hooks again | §3; replay = DDP in 18 of 18 configurations |
+# | Why not the non-reentrant checkpoint or the scope? | the ordinary graph: all parameters reachable, one firing each, in the outer backward | §3 |
+# | The fixes? | the non-reentrant checkpoint, or `static_graph=True` (DDP learns the counts) | §4 |
+# | FSDP2 with `ckpt_lab.checkpoint`? | checkpoint inside, shard outside; per rank, parameters halved, activations 230,400 → 132,096 bytes | §5 |
+# | Workers from a notebook? | importable functions, a fork server, gloo on `127.0.0.1`; errors with their traceback, hangs killed | Appendix |
 #
 # ## Appendix: the process launcher
 #
