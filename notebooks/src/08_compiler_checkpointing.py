@@ -26,7 +26,7 @@
 # |---|---|---|
 # | What does the compiler save by default? | eager's tensors on section 1's block; 1-byte dropout masks | 1 |
 # | What does the budget do? | fewer saved bytes, more recomputation, down to the inputs alone | 2 |
-# | Is it correct with dropout? | not below budget 1 in torch 2.11 to 2.14.1: the mask is redrawn | 2.1 |
+# | Is it correct with dropout? | not at every budget below 1 (torch 2.11 to 2.14.1): the mask can be redrawn | 2.1 |
 # | Compiler's frontier or the eager planner's? | at budget 0.75 the compiler's, far below the planner's; | 3 |
 # |  | at 1 about equal; below 0.75 the compiler's gradients are wrong | |
 # | Do our checkpoints survive compilation? | yes, as graph breaks: eager inside, right gradients | 4 |
