@@ -123,7 +123,7 @@ assert whole.peak_bytes == last.peak_bytes == plain.peak_bytes
 
 # %% [markdown]
 # Retained bytes fall, the peak does not move: why, activation by activation, is
-# [notebook 02, §9 *Where checkpointing saves nothing*](02_reentrant_checkpoint.ipynb) (the same
+# [notebook 02, §9 *Where checkpointing saves nothing*](02_reentrant_checkpoint.ipynb#saves-nothing) (the same
 # placements on 02's stack). What `explain` adds is that it says so on any model. Its peak ledger:
 # the same 280 KiB at the peak, kept for backward without the checkpoint, rebuilt by its re-run
 # with it. Its verdict names the *last stage* (the checkpoint that made the function's output),
@@ -275,7 +275,7 @@ with warnings.catch_warnings():
 #
 # Linear, BatchNorm1d, ReLU, Linear; one training step, checkpointed or not. Why a re-run updates
 # BatchNorm's running statistics a second time, and how the fix works:
-# [notebook 05, §7 *The BatchNorm pitfall*](05_selective_and_planner.ipynb). The zoo's case:
+# [notebook 05, §7 *The BatchNorm pitfall*](05_selective_and_planner.ipynb#batchnorm). The zoo's case:
 
 # %%
 plain_bn, plain_grads = zoo.batchnorm_step(None)
