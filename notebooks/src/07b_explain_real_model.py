@@ -15,10 +15,10 @@
 # # 07b · Why didn't my memory drop? `explain` on a real model
 #
 # **TL;DR.** GPT-2 from Hugging Face `transformers` (5.23, built from a small config: 4 blocks,
-# width 128, 4 sequences of 128 tokens, GPT-2's dropout), one training step, five ways to
-# checkpoint it, each measured by `ckpt_lab.explain` (*retained*: bytes alive between forward and
-# backward; *peak*: the most alive at once over the step; both exact storage bytes, gradients of
-# the weights excluded):
+# width 128, 4 sequences of 128 tokens, GPT-2's dropout), one training step, six ways to
+# checkpoint it, each measured by `ckpt_lab.explain` ([retained](glossary.md#retained): bytes
+# alive when the forward ends; [peak](glossary.md#peak): the most alive at once over forward and
+# backward, the leaves' gradients not counted; both exact storage bytes):
 #
 # | variant | retained MiB | peak MiB | retained / plain | largest holder `explain` names |
 # |---|---|---|---|---|
@@ -28,11 +28,23 @@
 # | scope around each MLP | 22.8 | 28.8 | 0.52 | attention's `_softmax` |
 # | scope around each attention | 27.0 | 29.0 | 0.62 | `mul` in `h.*.mlp.act` |
 # | planner, half its budget range | 38.0 | 45.5 | 0.87 | attention's `bmm`, kept by the plan |
+# | peak planner, same recomputation (§7) | 25.0 | 27.0 | 0.57 | attention's `bmm`, kept by the plan |
 #
 # Before any checkpoint, `explain` points at GPT-2's GELU: written as Python arithmetic, it keeps
-# 16 MiB; the fused `gelu_pytorch_tanh` keeps 4 (43.8 → 31.8 MiB, §1). All six give the plain
+# 16 MiB; the fused `gelu_pytorch_tanh` keeps 4 (43.8 → 31.8 MiB, §1). All seven give the plain
 # step's gradients, bit for bit. `ckpt_lab.checkpoint` and the planner drop
-# into the library's own switch; the scope goes around a submodule's `forward` (§4, §7).
+# into the library's own switch; the scope goes around a submodule's `forward` (§4, §8). The
+# planner bounds the retained bytes and leaves the peak where it was; the peak planner bounds the
+# peak: at the same recomputation it peaks at 27.0 MiB where the retained-bytes plan peaks at 44.8
+# (§7, with the model cut into a chain of regions).
+#
+# **After this notebook you can**
+# 1. run `explain` on a Hugging Face model and read what it keeps and what stands at its peak
+#    (checked: §1's asserts against `measure_memory`; §2's prediction);
+# 2. put `ckpt_lab`'s checkpoints into `transformers`' own switch, or around a submodule (checked:
+#    §3's same bytes; §8's gradients, bit for bit);
+# 3. say why a budget on retained bytes leaves the peak in place, and plan the peak instead
+#    (checked: §7's prediction and asserts).
 #
 # The companion notebook [07 · Why didn't my memory drop?](07_why_memory_did_not_drop.ipynb) shows
 # the failure zoo on small models; this one is the same instrument on a model people train.
@@ -44,9 +56,11 @@
 # | What does a scope around the MLP or the attention keep? | 4 |
 # | What does the planner do at a budget, and why does the peak stay? | 5 |
 # | The step over time, plain and checkpointed | 6 |
-# | Which of ours drop into a real model's code, and how? | 7 |
+# | What stands at the peak, and what does a plan for the peak change? | 7 |
+# | Which of ours drop into a real model's code, and how? | 8 |
 
 # %%
+import types
 import warnings
 
 import matplotlib.pyplot as plt
@@ -57,13 +71,18 @@ warnings.filterwarnings("ignore", message="IProgress not found")
 import transformers
 
 import ckpt_lab
+from ckpt_lab.bench.peak import gpt2_chain
 from ckpt_lab.explain import explain
 from ckpt_lab.explain.real import checkpointed_layers, gpt2, lm_loss, plan_layers, scope_submodules
+from ckpt_lab.helpers.predict import reveal
 from ckpt_lab.helpers.viz import save_figure
 from ckpt_lab.instruments.memory import measure_memory
+from ckpt_lab.peak_planner import peak_frontier, profile_peak
+from ckpt_lab.planner import budget_range, solve
 
 print("torch", torch.__version__, "| transformers", transformers.__version__)
 
+# %%
 MiB = 2**20
 reports, grads = {}, {}
 
@@ -161,20 +180,27 @@ model.activation_checkpointing_enable()
 block = model.transformer.h[0]
 print(type(block).__mro__[1].__name__, "| flag:", block.gradient_checkpointing, "| plug:",
       block._gradient_checkpointing_func.func.__module__, block._gradient_checkpointing_func.keywords)
-switch = step("transformers' switch", model, ids)
-print(switch.summary())
-t, reruns = switch.timeline, [s for s in switch.timeline.spans if s.kind == "recompute"]
-print("the peak in backward:", t.peak_index >= t.backward_start,
-      "| inside a re-run:", any(s.start <= t.peak_index <= s.stop for s in reruns),
-      "| re-runs finished before it:", sum(s.stop < t.peak_index for s in reruns), "of", len(reruns))
 
 # %% [markdown]
-# 3.0 MiB, from 43.8: each checkpoint "keeps only its inputs", and the largest holder now is the
-# loss's `_log_softmax` (4 × 128 tokens × 512 logits), outside any module. The peak (14.0 MiB)
-# comes in backward, after the first re-run (the last block's) and before the second: that block's
-# rebuilt activations, alive while backward goes through it. "Re-running it allocates 19.0 MiB in total" is a running total of the
-# bytes born during one block's re-run, not bytes alive at once (much is freed again as the re-run
-# goes), so it can exceed the peak.
+# **Predict.** Every block is checkpointed now. Without checkpoints the step retains 43.8 MiB and
+# peaks at 45.8 MiB. What is its peak now, in MiB?
+
+# %%
+guess = None  # your guess, in MiB
+
+# %%
+switch = step("transformers' switch", model, ids)
+print(switch.summary())
+reveal(guess, round(switch.peak_bytes / MiB, 1), "peak in MiB", rel_tol=0.1)
+
+# %% [markdown]
+# 3.0 MiB retained, from 43.8: each checkpoint "keeps only its inputs", and the largest holder now
+# is the loss's `_log_softmax` (4 × 128 tokens × 512 logits), outside any module. The peak, 14.0
+# MiB, comes in backward, and the peak ledger (the "at the peak" line) says what stands there: 9.0
+# MiB rebuilt by the re-run of checkpoint #4 (the last block, which backward re-runs first), alive
+# while backward goes through it, beside backward's own temporaries and the 1.5 MiB kept. "Re-running
+# it allocates 19.0 MiB in total" is a running total of the bytes born during one block's re-run,
+# not bytes alive at once, so it can exceed the peak.
 
 # %% [markdown]
 # ## 3 · `ckpt_lab.checkpoint` in the same switch
@@ -194,6 +220,7 @@ print(ours.summary())
 torchs = reports["transformers' switch"]
 same = (ours.retained_bytes, ours.peak_bytes) == (torchs.retained_bytes, torchs.peak_bytes)
 print("same bytes as torch's:", same)
+assert same
 
 # %% [markdown]
 # The same bytes, and `explain` tells the two apart by their pack hooks: `checkpoint
@@ -257,16 +284,15 @@ print(f"budget {plan.budget / MiB:.1f} MiB; the plan predicts {plan.retained_byt
 print("each block's inputs:", [p.input_bytes for p in plan.profiles], "bytes; hidden states",
       ids.numel() * 128 * 4, "bytes")
 print(planned.summary(top=3))
-t = planned.timeline
-print("the peak is in backward:", t.peak_index >= t.backward_start)
 
 # %% [markdown]
 # The prediction is 1.0 MiB above the measurement: each block's inputs are its hidden states and
 # the attention mask (256 KiB each, GPT-2 passes both positionally); the planner counts the mask
 # once per block, but it is one tensor, made outside the blocks. The whole step keeps 38.0 MiB
-# (36.0 of it inside the blocks), and the peak hardly moves (45.5 MiB against 45.8): the budget bounds what is *kept* between
-# forward and backward, not the peak in backward, where the kept outputs of every block are still
-# alive while the last one is re-run. To lower the peak, lower the budget.
+# (36.0 of it inside the blocks), and the peak hardly moves (45.5 MiB against 45.8). The ledger
+# says why: the budget bounds what is *kept* between forward and backward, and at the peak, in
+# backward, 34.0 MiB of it is still alive while the last block is re-run (8.0 MiB). Its verdict,
+# "a smaller budget keeps less", costs recomputation; §7 plans for the peak instead.
 
 # %% [markdown]
 # ## 6 · The step over time
@@ -287,11 +313,105 @@ save_figure(fig, "07b_gpt2_timeline")
 # Plain, the curve climbs through the forward and falls through backward. Checkpointed, it stays
 # low in forward and rises in four teeth in backward: one block re-run at a time (orange), then
 # freed. Torch's and ours: the same shape, the same 14.0 MiB peak.
+
+# %% [markdown]
+# ## 7 · The peak, not the kept bytes
 #
-# ## 7 · The six variants, and which of ours drop in
+# A step runs out of memory at its peak, and §5's peak is mostly the *kept* bytes plus one re-run.
+# `ckpt_lab.peak_planner` budgets the peak itself. It needs the step as a chain of regions, each
+# taking and returning one tensor: `ckpt_lab.bench.peak.gpt2_chain()` cuts this GPT-2 into its
+# embedding, its four blocks, and its head with the loss (the same ops and, §8 checks, the same
+# gradients bit for bit; the causal mask is made once, before the step). `profile_peak` runs every
+# *way* of every region once, alone, forward and backward, and records what it makes and frees,
+# byte for byte. A way is plain (not checkpointed) or checkpointed keeping a set of op outputs. Any
+# choice of ways can then be simulated without running it:
+
+# %%
+chain = gpt2_chain()
+profile = profile_peak(chain.regions, chain.input, chain.loss)
+print(f"{len(chain.regions)} regions (embedding, 4 blocks), then the head and loss;",
+      "ways per region:", [len(ways) for ways in profile.ways])
+
+# %% [markdown]
+# Two plans on these regions. The retained-bytes planner of §5 at half its budget range, its peak
+# predicted by the same simulation. And, among the peak planner's plans that recompute no more
+# than it, the one with the lowest predicted peak (`peak_frontier`: the plans that no other beats
+# in both peak and recomputation; `solve_peak(profile, budget)` takes a peak budget instead).
+#
+# **Predict.** The peak plan chooses a way for each of the five regions. How many does it leave
+# plain, not checkpointed at all?
+
+# %%
+guess = None  # your guess: 0 to 5
+
+# %%
+low, high = budget_range(profile.profiles)
+retained_plan = solve(profile.profiles, low + (high - low) // 2)
+peak_plan = min((p for p in peak_frontier(profile) if p.recompute_cost <= retained_plan.recompute_cost),
+                key=lambda p: p.predicted_peak)
+plans = {"retained-bytes plan": retained_plan, "peak plan": peak_plan}
+predicted = {"retained-bytes plan": profile.predict(retained_plan.saved).peak_bytes,
+             "peak plan": peak_plan.predicted_peak}
+for name, plan in plans.items():
+    torch.manual_seed(1)
+    measured = measure_memory(lambda plan=plan: chain.loss(plan(chain.input)))
+    print(f"{name:<20} peak predicted {predicted[name] / MiB:.1f} MiB, measured {measured.peak_bytes / MiB:.1f} "
+          f"MiB ({measured.peak_bytes:,} B); recomputes {plan.recompute_cost / 1e6:.2f} MFLOP")
+    assert measured.peak_bytes == predicted[name]
+print("retained-bytes plan:", [f"keep {len(kept)} of {len(p.candidates)}"
+                               for kept, p in zip(retained_plan.saved, retained_plan.profiles, strict=True)])
+print("peak plan:          ", peak_plan.ways)
+reveal(guess, peak_plan.ways.count("plain"), "regions left plain")
+
+# %% [markdown]
+# Predicted equals measured, to the byte, for both; at the same recomputation the peak falls from
+# 44.8 to 27.0 MiB (§5's plan peaked at 45.5: on the chain the embedding is a region too, and the
+# mask is made before the step). The peak plan leaves the embedding and the last block plain. The last block is
+# the one backward goes through first: checkpointed, its re-run stands at the peak on top of
+# everything kept (notebook 07, §1). And a region checkpointed with everything kept still re-runs
+# the rest (dropout, views, in-place ops) and keeps its input besides, where a plain one re-runs
+# nothing; the retained-bytes planner checkpoints every region. The peak ledger of each plan, by
+# role, as `explain` measures it:
+
+# %%
+def chain_step(plan):
+    """One explained step of the chain run by ``plan``, seeded as ``step`` seeds the model's."""
+    for p in chain.params:
+        p.grad = None
+    torch.manual_seed(1)
+    run = types.MethodType(lambda model, x: plan(x), chain.model)  # bound: explain names the modules
+    report = explain(run, chain.input, loss_fn=chain.loss)
+    return report, {n: p.grad.clone() for n, p in chain.model.named_parameters()}
+explained = {name: chain_step(plan) for name, plan in plans.items()}
+for name, (report, _) in explained.items():
+    ledger = report.peak_ledger
+    print(f"{name} (kept after forward {report.retained_bytes / MiB:.1f} MiB), at the peak, in {ledger.phase}:")
+    print("\n".join(f"  {size:>12,} B  {role}" for role, size in ledger.roles.items()))
+    print(f"  {ledger.bytes:>12,} B  the peak\n  to lower it: {ledger.verdict}")
+    assert sum(ledger.roles.values()) == ledger.bytes == predicted[name]
+reports["peak planner, same recomputation"], grads["peak planner, same recomputation"] = \
+    explained["peak plan"]  # for §8's table and its gradient check
+
+# %% [markdown]
+# The retained-bytes plan's peak comes while backward goes through the last block: its kept bytes,
+# the last block's re-run and backward's temporaries. The peak plan keeps less (the plain regions
+# hold their activations, the checkpointed blocks keep a few outputs each) and re-runs nothing at
+# its peak, which moves to the loss's backward. Over time (as in §6), on one scale:
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(14, 4.2), sharey=True)
+for ax, (name, (report, _)) in zip(axes, explained.items(), strict=True):
+    report.plot(ax)
+    ax.set_title(f"GPT-2 as a chain, {name}: peak {report.peak_bytes / MiB:.1f} MiB")
+fig.tight_layout()
+save_figure(fig, "07b_peak_plan")
+
+# %% [markdown]
+# ## 8 · The seven variants, and which of ours drop in
 #
 # The table of the TL;DR, from the reports above; and the gradients, compared with the plain
-# step's bit for bit (dropout draws the same masks: every checkpoint replays the random state).
+# step's bit for bit (dropout draws the same masks: every checkpoint replays the random state). The
+# peak plan ran on §7's chain, a GPT-2 built from the same seed: its parameters have the same names.
 
 # %%
 plain = reports["plain"]
@@ -324,6 +444,9 @@ assert all(same.values())
 #   (`plan_layers(model, ids, labels=ids)`), not called as `planner.plan(block, x)`.
 # * `gradient_checkpoint_scope`: around any code you can edit, or around a submodule's `forward`
 #   without editing it (§4); not inside the switch's checkpoint, where it does nothing.
+# * the peak planner: over a chain of regions that each take and return one tensor
+#   (`plan_peak(regions, x, budget, loss)`); a `transformers` model is not one, so §7 cut it by hand
+#   (`gpt2_chain`).
 #
 # From a shell, the same report and plot for any of these:
 # `python -m ckpt_lab.explain ckpt_lab.explain.real:gpt2_ckpt_lab --plot gpt2.png`

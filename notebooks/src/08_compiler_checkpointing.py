@@ -18,23 +18,41 @@
 # and backward as one *joint graph*, and a *min-cut partitioner* cuts it in two, choosing which
 # forward values to save and which to recompute. By default it recomputes only cheap pointwise ops
 # and views, never matmuls. `torch._functorch.config.activation_memory_budget` (1 = default, 0 =
-# keep only the inputs) turns that into a knapsack, the compiled counterpart of notebook 05's
-# planner. Measured here on the benchmark's stacks:
+# keep only the inputs; a private torch config, the only global switch for it) turns that into a
+# knapsack, the compiled counterpart of notebook 05's planner. Measured here on the benchmark's
+# stacks:
 #
 # | question | answer | section |
 # |---|---|---|
 # | What does the compiler save by default? | eager's tensors on section 1's block; 1-byte dropout masks | 1 |
 # | What does the budget do? | fewer saved bytes, more recomputation, down to the inputs alone | 2 |
-# | Is it correct with dropout? | not at low budgets in torch 2.13: the mask is redrawn | 2.1 |
+# | Is it correct with dropout? | not at every budget below 1 (torch 2.11 to 2.14.1): the mask can be redrawn | 2.1 |
 # | Compiler's frontier or the eager planner's? | at budget 0.75 the compiler's, far below the planner's; | 3 |
 # |  | at 1 about equal; below 0.75 the compiler's gradients are wrong | |
 # | Do our checkpoints survive compilation? | yes, as graph breaks: eager inside, right gradients | 4 |
 # | Can the planner's plan steer the compiler? | yes, through torch's checkpoint, matched by op | 5 |
 #
 # Every number comes from the `aot_eager_decomp_partition` backend recorded by `ckpt_lab.compiled`:
-# inductor's decompositions and partitioner, without its C++ code generation (a compilation takes
-# under a second here instead of 15 s). What it saves is what `inductor` saves; inductor adds
-# fused kernels, i.e. time, which this notebook does not claim to measure.
+# inductor's decompositions and its partitioner (`min_cut_rematerialization_partition`), without
+# code generation (a compilation takes under a second here instead of 15 s). It shows the
+# partitioner's choice on the decomposed joint graph. It does not show inductor's own: before
+# partitioning, inductor runs its joint-graph passes (`joint_graph_passes`, called by `partition_fn`
+# in [torch/_inductor/compile_fx.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/_inductor/compile_fx.py):
+# no-op removal, constant folding, pattern rewrites, and `replace_random_passes`, which turns random
+# ops into inductor's own), so where those passes rewrite the graph inductor may save other
+# tensors; nor the time and memory of its fused kernels.
+#
+# Shown with torch 2.13.0. §2 and §2.1 print the same with torch 2.11 and 2.14.1; §2.1's dropout
+# bug is still there in 2.14.1, whose partitioner changed only the case of an empty knapsack.
+#
+# **After this notebook you can**
+# 1. read what a compiled forward saves and what its backward recomputes, and compare it with
+#    eager (checked: §1's assert);
+# 2. say what `activation_memory_budget` bounds and how the partitioner meets it (checked: §2's
+#    assert);
+# 3. catch the budget's dropout bug by comparing gradients (checked: §2.1's prediction and assert);
+# 4. hand the planner's plan to the compiler through torch's checkpoint, and count what it keeps to
+#    replay randomness (checked: §5's prediction and asserts).
 #
 # **Terms.**
 # * *Dynamo*: `torch.compile`'s front end; it runs the Python function and records its tensor ops
@@ -62,6 +80,7 @@ from torch import nn
 import ckpt_lab
 from ckpt_lab import compiled
 from ckpt_lab.bench import pareto, workloads
+from ckpt_lab.helpers.predict import reveal
 from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.tensors import grads
 from ckpt_lab.helpers.viz import save_figure
@@ -109,6 +128,7 @@ with ckpt_lab.SavedTensorLog() as eager_log:
 activations = [e for e in eager_log.entries if not e.is_parameter and e.first_of_storage]
 print("eager saves:", ", ".join(e.made_by for e in activations))
 print(f"eager: {eager_log.activation_bytes} B saved; compiled: {step.saved_bytes} B")
+assert eager_log.activation_bytes == step.saved_bytes
 
 # %% [markdown]
 # The same three tensors and bytes: on this block, at budget 1, the compiler saves what eager
@@ -120,11 +140,19 @@ print(f"eager: {eager_log.activation_bytes} B saved; compiled: {step.saved_bytes
 #
 # `activation_memory_budget` is a fraction between 0 and 1, not of the default's saved bytes but
 # of the *range* between saving only the graph's inputs (0) and the default min-cut (1): the
-# partitioner (`choose_saved_values_set`, `get_mem_ratio` in torch's `partitioners.py`) keeps
-# inputs + budget × (default − inputs) bytes of saved values. In between it solves a knapsack: which
-# values to save to stay under that, recomputing as little as possible (by its own runtime
-# estimate). `compile_step` resets Dynamo so that each budget recompiles. "in range" puts the
-# saved bytes on that range: it equals the budget, where the share of the default's bytes does not.
+# partitioner keeps at most inputs + budget × (default − inputs) bytes of saved values
+# (`choose_saved_values_set` and its `get_mem_ratio` in
+# [torch/_functorch/partitioners.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/_functorch/partitioners.py)).
+# In between, it first tries two more aggressive min-cuts (the default cut with fewer of its bans
+# on recomputation: first without those on values used far apart, long fusible chains and values
+# materialised in backward, then also without the ban on ops outside its allowlist) and keeps the
+# first whose saved bytes fall under the budget. Only if neither does it solve a knapsack: which
+# values to save to stay under the budget, recomputing as little as possible (by its own runtime
+# estimate). The budget is global; torch 2.13 also has a per-region one,
+# `torch.autograd.graph.region_activation_memory_budget(b)`, a context manager around model code
+# that works under `torch.compile` only (a prototype: one budget per compiled graph). `compile_step`
+# resets Dynamo so that each budget recompiles. "in range" puts the saved bytes on that range: it
+# equals the budget, where the share of the default's bytes does not.
 
 # %%
 params = list(block.parameters())
@@ -137,49 +165,62 @@ for budget, s in steps.items():
           f"{s.recompute_flops:6d} FLOPs; grads ok: {s.grads_ok}")
     print(f"    in range (saved - {low}) / ({high} - {low}): {(s.saved_bytes - low) / (high - low):.2f}; "
           f"saved / {high}: {s.saved_bytes / high:.2f}")
+    assert (s.saved_bytes - low) / (high - low) == budget
 
 # %% [markdown]
 # At budget 0 the first matmul runs again in backward: the block is checkpointed whole, the
-# compiler's version of `ckpt_lab.checkpoint`. "grads ok" compares with budget 1. *Peak* is the
-# most bytes alive at once over forward and backward, gradients excluded, measured by
+# compiler's version of `ckpt_lab.checkpoint`. "grads ok" compares with budget 1. The
+# [peak](glossary.md#peak) is measured by
 # `LiveMemory` *inside* the compiled graphs (with a dispatch mode around the compiled call, Dynamo
 # would run it eagerly); on a block this small the backward's temporaries dominate it.
 #
 # ### 2.1 · The budget redraws dropout masks
 #
-# Add dropout and compare gradients again.
+# Add dropout between the two Linear layers and compare gradients again.
+#
+# **Predict.** At budget 0.5, are the gradients those of budget 1 (`True` or `False`)?
+
+# %%
+guess = None  # your guess: True or False
 
 # %%
 torch.manual_seed(0)
 dropout_block = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5), nn.Linear(64, 64))
+dropout_steps = {}
 for budget in (1.0, 0.5, 0.0):
-    s = compiled.compile_step(dropout_block, x, budget=budget, params=list(dropout_block.parameters()))
+    s = dropout_steps[budget] = compiled.compile_step(dropout_block, x, budget=budget,
+                                                      params=list(dropout_block.parameters()))
     dtypes = ", ".join(sorted({dtype for _, dtype, _ in s.saved}))
     print(f"budget {budget:.1f}: keeps {dtypes}; recomputes {' '.join(s.recomputed) or '-'}; "
           f"gradients == budget 1: {s.grads_ok}")
+reveal(guess, dropout_steps[0.5].grads_ok, "gradients at budget 0.5 equal to budget 1's")
+assert [s.grads_ok for s in dropout_steps.values()] == [True, False, False]
 
 # %% [markdown]
 # At budget 1 the compiler keeps dropout's mask as a `bool` tensor (1 byte per element) and the
 # matmul outputs. Below budget 1 the backward graph contains `rand` again: the recomputation draws
 # a *fresh* mask, so backward differentiates a different dropout than the forward applied. No
 # error, no warning: wrong gradients. This is a known torch bug (the PyTorch issue "Memory-budget
-# partitioner recomputes RNG ops with fresh randomness in backward", open for torch 2.13; inductor
-# on CPU shows it too). Eager checkpoints replay the RNG state (notebook 02); the partitioner's own
-# checkpoint regions do too, only its budget path skips it. Until it is fixed, use the budget
+# partitioner recomputes RNG ops with fresh randomness in backward", open; still there in 2.14.1;
+# inductor on CPU shows it too). Eager checkpoints replay the RNG state (notebook 02); so does the
+# partitioner for the random ops inside torch's checkpoint regions (§5), which it *must* recompute;
+# the ops its budget merely *prefers* to recompute get no such replay. Until it is fixed, use the budget
 # only on models without dropout, or check gradients as `compile_step` does.
 #
 # ## 3 · The compiler's frontier against the eager planner's
 #
 # Notebook 05's Pareto picture for the benchmark's 8-block MLP (width 1024, batch 64), with the
-# compiler's budgets added. Both axes in the planner's terms: retained bytes count the first
-# block's input, recomputation is the planner's cost model (matmul FLOPs, one per element for
-# other ops) applied to the backward graph's recomputed ops.
+# compiler's budgets added. Both axes in the planner's terms: *kept* bytes are what the forward
+# keeps for backward, the first block's input counted and the output and loss not (so not quite the
+# glossary's [retained](glossary.md#retained), which leaves the input out and counts the loss);
+# recomputation is the planner's cost model (matmul FLOPs, one per element for other ops) applied to
+# the backward graph's recomputed ops.
 
 # %%
 wl = workloads.mlp(8)
 points = {wl.name: pareto.measure_points(wl, compiled=True)}
 frontiers = {wl.name: pareto.exact_frontier(wl)}
-print(f"{'strategy':20} {'retained MiB':>12} {'recompute GFLOP':>15} {'gradients':>11}  note")
+print(f"{'strategy':20} {'kept MiB':>12} {'recompute GFLOP':>15} {'gradients':>11}  note")
 for p in points[wl.name]:
     if not p.strategy.startswith("planner greedy"):  # notebook 05 compares greedy with the DP
         verdict = "ok" if p.grads_ok else "wrong grads"
@@ -233,8 +274,9 @@ print(f"the planner's minimum: {lowest / 2**20:.3f} MiB")
 #
 # Each way of checkpointing three Linear + GELU + Dropout blocks (width 16), compiled with the
 # `aot_eager` backend: do the gradients equal eager's, and how many graphs does Dynamo make? A
-# multiply precedes each block, so each break leaves it a graph of its own. `torch._dynamo.explain`
-# counts graph breaks as graphs − 1.
+# multiply precedes each block, so each break leaves it a graph of its own. `compiled.graph_breaks`
+# counts them with `torch._dynamo.explain` (private torch API, and the only report of Dynamo's
+# graphs and breaks), as graphs − 1.
 
 # %%
 # Each checkpoint as the benchmark runs it on one block (`ckpt_lab.strategies`; torch's selective
@@ -265,7 +307,7 @@ def step_grads(fn):
 # %%
 for name, way in ways.items():
     eager = step_grads(three_blocks(way))
-    torch._dynamo.reset()
+    torch.compiler.reset()
     in_compile = step_grads(torch.compile(three_blocks(way), backend="aot_eager"))
     ok = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(eager, in_compile, strict=True))
     graphs, breaks = compiled.graph_breaks(three_blocks(way), x3.clone().requires_grad_())
@@ -287,9 +329,10 @@ show_source(ckpt_lab.reentrant_checkpoint, start="is_compiling", stop="_check_op
 # %% [markdown]
 # `run_eagerly` is marked `torch.compiler.disable`: Dynamo breaks the graph there and calls it
 # eagerly, where `is_compiling()` is False. The scope needs no such line: Dynamo cannot trace its
-# set-up (thread-local state, saved-tensor hooks), breaks the graph there and runs it eagerly (4
-# graphs, 3 breaks: one more than the others above), with right gradients. The price is visible in the counts:
-# the compiler optimises only between our checkpoints, never through them.
+# set-up (thread-local state, saved-tensor hooks), breaks the graph there and runs it eagerly, with
+# right gradients (here 3 graphs, 2 breaks, as the others; in a process whose first scope is
+# entered under compile, one break more, at the scope's thread-local set-up). The price is visible
+# in the counts: the compiler optimises only between our checkpoints, never through them.
 #
 # ## 5 · The planner's plan handed to the compiler
 #
@@ -311,7 +354,7 @@ def one_block(y):
     return torch_ckpt.checkpoint(wl.blocks[0], y, use_reentrant=False, context_fn=recording_context)
 one_block(wl.input)
 print("eager asks about:   ", " ".join(asked))
-torch._dynamo.reset()
+torch.compiler.reset()
 torch.compile(one_block, backend="aot_eager")(wl.input)
 print("compiled asks about:", " ".join(asked))
 
@@ -354,19 +397,43 @@ for p in sorted(budget_points, key=lambda p: abs(p.retained_bytes - kept))[:2]:
 # %% [markdown]
 # The compiled run saves what the plan tagged: its recomputation is the plan's, plus the extra
 # pointwise ops of decomposed GELU. It keeps *fewer* bytes than predicted, because the tags only
-# say what must be saved; the rest is the partitioner's, which recomputes block inputs from kept
-# matmul outputs and each checkpoint's generator state (kept to replay dropout: 5056 B per region
-# on CPU) rather than keep them. Gradients equal the compiled stack without checkpoints. The
-# compiler's own budget at the nearest memory recomputes almost nothing but redraws dropout masks;
-# the nearest budget with right gradients keeps more memory for far less recomputation. So with
-# dropout: the plan, through torch's checkpoint, for a byte budget fixed before compiling and
+# say what must be saved; the rest is the partitioner's, which recomputes each block's input from
+# kept matmul outputs rather than keep it, replaying dropout from a saved generator state. It
+# saves one such state per random op it must recompute, not per region (`functionalize_rng_ops`
+# in torch/_functorch/partitioners.py: one `run_and_save_rng_state` per op), 5,056 B each on a
+# CPU; here each block has one dropout, so 8 states. Gradients equal the compiled stack without
+# checkpoints.
+#
+# **Predict.** One torch checkpoint around three Linear + Dropout pairs, compiled: how many
+# generator states does its forward save for backward?
+
+# %%
+guess = None  # your guess: a number of states
+
+# %%
+torch.manual_seed(0)
+three_dropouts = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(64, 64), nn.Dropout(0.1))])
+def one_region(y):
+    return torch_ckpt.checkpoint(three_dropouts, y, use_reentrant=False)
+region = compiled.compile_step(one_region, x, params=list(three_dropouts.parameters()), check=False)
+region_states = [n for _, dtype, n in region.saved if dtype == "uint8"]
+print(f"one region, three dropouts: {len(region_states)} generator states of {region_states[0]:,} B; "
+      f"torch.get_rng_state(): {torch.get_rng_state().numel():,} B")
+reveal(guess, len(region_states), "generator states saved")
+assert region_states == [torch.get_rng_state().numel()] * 3
+assert states == len(wl.blocks) * torch.get_rng_state().numel() and same
+
+# %% [markdown]
+# The compiler's own budget at the nearest memory recomputes almost nothing but redraws dropout
+# masks; the nearest budget with right gradients keeps more memory for far less recomputation. So
+# with dropout: the plan, through torch's checkpoint, for a byte budget fixed before compiling and
 # right gradients; the compiler's budget where it is right (checked) and fits.
 #
 # ## Takeaways
 #
 # * The compiler checkpoints by itself: a min-cut between forward and backward, pointwise ops
 #   recomputed, matmuls saved; `activation_memory_budget` slides it toward recomputing everything.
-# * Check gradients when a budget below 1 meets dropout (torch 2.13 redraws the mask).
+# * Check gradients when a budget below 1 meets dropout (torch 2.11 to 2.14.1 redraw the mask).
 # * Free to recompute across blocks and to keep 1-byte masks, the compiler at budget 0.75 lies far
 #   below the eager planner's frontier on the MLP stack, at budget 1 about on it; its lower budgets
 #   redraw dropout masks, while the planner stays right with dropout at every budget.
