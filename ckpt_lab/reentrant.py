@@ -210,9 +210,10 @@ _NO_OUTPUT_REQUIRES_GRAD = (
 
 # NOTE [ The reentrant determinism check ]
 # torch's reentrant variant trusts the re-run; a function that branches on Python state (a counter,
-# Python's ``random``) gets wrong gradients silently. The non-reentrant checkpoint compares what each
-# run *saves*, and learns the op that made each saved tensor for free from its ``grad_fn``. Here the
-# forward runs under no_grad and saves nothing, so there is nothing free to compare op by op.
+# Python's ``random``), or that captures a tensor changed in place before backward, gets wrong
+# gradients silently. The non-reentrant checkpoint compares what each run *saves*, and learns the op
+# that made each saved tensor for free from its ``grad_fn``. Here the forward runs under no_grad and
+# saves nothing, so there is nothing free to compare op by op.
 #
 # Rejected: recording the aten ops of forward and re-run with a ``TorchDispatchMode`` and comparing
 # the sequences. Measured on the benchmark's quick workloads, it made this checkpoint 1.37x to 1.51x
@@ -286,8 +287,10 @@ def _not_the_forward(what: str) -> CheckpointError:
     return CheckpointError(
         f"reentrant_checkpoint: the recomputation is not the forward: {what}. The function took "
         "another path when backward re-ran it (a branch on Python state that changed between the "
-        "calls: a counter, a flag, Python's random), and backward would compute wrong gradients. Make "
-        "that choice outside the checkpoint and pass it in. To see where the runs part, run the block "
-        "under ckpt_lab.checkpoint(..., debug=True); to accept the difference, pass "
+        "calls: a counter, a flag, Python's random), or a tensor the function captures (not one of its "
+        "inputs) changed in place between forward and backward; backward would compute wrong "
+        "gradients. Make that choice outside the checkpoint and pass it in, and pass tensors as "
+        "arguments: autograd then catches an in-place change. To see where the runs part, run the "
+        "block under ckpt_lab.checkpoint(..., debug=True); to accept the difference, pass "
         'determinism_check="none".'
     )

@@ -135,6 +135,32 @@ def test_the_reentrant_checkpoints_on_a_rerun_that_does_more() -> None:
         gradient(reentrant_checkpoint, second_call_differs(sin_exp, sin_cos_exp), x)
 
 
+def test_the_reentrant_message_names_a_captured_tensor_changed_in_place() -> None:
+    # notebook 02's wrapper case: the block reads a tensor it captures, not one of its inputs; it
+    # changes in place between forward and backward. Same symptom as a branch: other outputs.
+    x = torch.randn(5, requires_grad=True)
+    captured = torch.randn(5)
+    right = gradient(plain, lambda v: v.sin() * captured, x)
+    for run in (TORCH["torch, use_reentrant=True"], reentrant_checkpoint):
+        x.grad = None
+        out = run(lambda v: v.sin() * captured, x)
+        captured.mul_(2)  # between forward and backward
+        if run is reentrant_checkpoint:
+            with pytest.raises(CheckpointError) as info:
+                out.sum().backward()
+            said = "or a tensor the function captures (not one of its inputs) changed in place"
+            assert said in str(info.value)
+        else:
+            out.sum().backward()
+            assert not torch.allclose(x.grad, right)  # torch: no check, a wrong gradient
+        captured.div_(2)
+    # Passed as an argument, the tensor is saved for backward: autograd's own check catches it.
+    out = reentrant_checkpoint(lambda v, c: v.sin() * c, x, captured)
+    captured.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def test_selective_catches_it_op_by_op_where_torchs_sac_does_not() -> None:
     x = torch.randn(5, requires_grad=True)
     right = gradient(plain, sin_exp, x)
