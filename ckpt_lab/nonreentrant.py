@@ -357,7 +357,7 @@ def recompute(frame: Frame, task: int) -> None:
             if frame.check and recomputed != frame.metas[index]:
                 mismatches.append((index, frame.metas[index], recomputed))
             handles[index].recomputed[task] = value
-            stored.append((index, value, value._version))
+            stored.append((index, value, value._version))  # compared when the re-run ends
         # Another op made it: the re-run took another path. Stop at once, here, where it happened.
         if frame.check and made_by(tensor) != frame.makers[index]:
             other = _other_op(index, frame.makers[index], made_by(tensor), mismatches)
