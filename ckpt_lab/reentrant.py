@@ -251,8 +251,9 @@ class _Fingerprints:
             with torch.no_grad():  # the re-run runs with grad on: no graph for the norm
                 rerun = _norm(again) if norm is not None else None
             if rerun is not None and not _close(norm, rerun, again.dtype):
+                shown_rerun, shown_forward = _apart(float(rerun), float(norm))
                 raise _not_the_forward(
-                    f"output {i} has norm {float(rerun):.6g} in the re-run and {float(norm):.6g} in the "
+                    f"output {i} has norm {shown_rerun} in the re-run and {shown_forward} in the "
                     "forward, with the same shape, dtype and device"
                 )
 
@@ -281,6 +282,18 @@ def _close(forward: float | torch.Tensor, rerun: float | torch.Tensor, dtype: to
     rtol = 1e-2 if torch.finfo(dtype).bits <= 16 else 1e-4
     forward, rerun = float(forward), float(rerun)
     return math.isclose(forward, rerun, rel_tol=rtol) or (math.isnan(forward) and math.isnan(rerun))
+
+
+def _apart(*values: float) -> list[str]:
+    """The values to 3 significant digits, or to more where 3 would show them equal."""
+    # 3, not 6: notebooks store this message and nbval compares it exactly, and a norm is a float sum
+    # whose last digits may differ on another processor (another summation order); 3 digits stay put
+    # unless the value sits on a rounding boundary.
+    for digits in (3, 6, 9, 17):
+        shown = [f"{value:.{digits}g}" for value in values]
+        if len(set(shown)) == len(shown):
+            break
+    return shown
 
 
 def _not_the_forward(what: str) -> CheckpointError:

@@ -212,6 +212,18 @@ def test_ours_catch_a_branch_of_the_same_shape(early_stop: bool) -> None:
         gradient(reentrant_checkpoint, second_call_differs(tanh, sigmoid), x)
 
 
+def test_the_reentrant_message_shows_norms_to_3_digits_that_stay_put_on_another_processor() -> None:
+    # notebooks store the message (nbval compares it exactly); a norm's last digits depend on the
+    # summation order. 3 significant digits, more only where 3 would show the two equal.
+    x = torch.full((5,), 2.0, requires_grad=True)
+    with pytest.raises(
+        CheckpointError, match=r"output 0 has norm 6\.71 in the re-run and 4\.47 in the forward"
+    ):
+        gradient(reentrant_checkpoint, second_call_differs(lambda v: v * 1, lambda v: v * 1.5), x)
+    with pytest.raises(CheckpointError, match=r"norm 4\.47348 in the re-run and 4\.47214 in the forward"):
+        gradient(reentrant_checkpoint, second_call_differs(lambda v: v * 1, lambda v: v * 1.0003), x)
+
+
 def test_the_metadata_error_comes_first_and_says_where_the_paths_parted() -> None:
     # torch's test case: the re-run saves a constant of another shape where the forward saved exp's
     # result. torch's sentence for the metadata first, then the op.
