@@ -629,7 +629,7 @@ run_peer("exception", raising)
 # ## 12. Speed
 #
 # The tape runs once per forward op, the replay once per op it re-runs: NOTE [ Speed ], at the end
-# of `scope.py`, lists the shortcuts (a)–(o) that spare Python calls there (cached schema facts,
+# of `scope.py`, lists the shortcuts (a)–(n) that spare Python calls there (cached schema facts,
 # `__slots__`, an op's C++ entry point called directly, Dynamo told once to skip the mode), each
 # cited where the code takes it. None changes what is recorded or replayed; the benchmark's scope
 # rows (README) measure them.
