@@ -15,7 +15,9 @@ graph stores*:
   autocast state, under a second pack hook that drops each recomputed tensor into its handle *by
   position*, checks that the same op made it, and stops the re-run as soon as the last handle
   backward still needs is filled. Each handle gives its tensor out once, so backward frees it as
-  soon as it has used it.
+  soon as it has used it. When the re-run ends, it redoes autograd's version check, which autograd
+  skips for tensors saved through hooks: a tensor the re-run modified in place after saving it is
+  an error, not a wrong gradient.
 
 Nothing is reentrant, so ``torch.autograd.grad``, ``backward(inputs=...)``, keyword arguments and
 blocks whose inputs don't require grad all just work.
@@ -336,6 +338,9 @@ def recompute(frame: Frame, task: int) -> None:
     mismatches: list[tuple[int, _Meta, _Meta]] = []
     # A backward inside the forward (and no early stop) re-runs more than the forward has saved yet.
     beyond_forward = [False]
+    # Each tensor handed to a handle, with its version counter then: autograd skips its in-place check
+    # for tensors saved through hooks, so we redo it when the re-run ends.
+    stored: list[tuple[int, torch.Tensor, int]] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         index = next(position)
@@ -352,6 +357,7 @@ def recompute(frame: Frame, task: int) -> None:
             if frame.check and recomputed != frame.metas[index]:
                 mismatches.append((index, frame.metas[index], recomputed))
             handles[index].recomputed[task] = value
+            stored.append((index, value, value._version))  # compared when the re-run ends
         # Another op made it: the re-run took another path. Stop at once, here, where it happened.
         if frame.check and made_by(tensor) != frame.makers[index]:
             other = _other_op(index, frame.makers[index], made_by(tensor), mismatches)
@@ -385,6 +391,9 @@ def recompute(frame: Frame, task: int) -> None:
             raise _explained(frame, _count_mismatch(len(frame.metas), saved))
     if mismatches:
         raise _explained(frame, _metadata_mismatch(mismatches))
+    for index, value, version in stored:
+        if value._version != version:  # an op after the one that saved it modified it in place
+            raise _explained(frame, _modified_in_place(frame, index, value, version), in_place=True)
 
 
 # ============================================================================================
@@ -682,6 +691,23 @@ def _other_op(
     )
 
 
+def _modified_in_place(frame: Frame, index: int, tensor: torch.Tensor, saved_version: int) -> CheckpointError:
+    """Autograd's error for a saved tensor modified in place (its sentence from ``SavedVariable::unpack``,
+    without the clause on the tensor's grad_fn, which a recomputed tensor has not, and without its
+    hint: anomaly mode would point at whichever node's unpack ran the re-run), then ours."""
+    made = f" (made by {_op_name(frame.makers[index])})" if frame.check else ""
+    return CheckpointError(
+        "checkpoint: one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; "
+        f"expected version {saved_version} instead. The recomputation modified saved tensor {index}"
+        f"{made} in place after an op had saved it for backward. Without a checkpoint autograd raises "
+        "this error; a checkpoint's saved tensors go through saved-tensor hooks, which autograd does not "
+        "check, and backward would use the modified values: wrong gradients. Write the in-place op out "
+        "of place (y = y + 1, not y.add_(1)), or modify a clone. (early_stop=True hands back the right "
+        f"tensor only while the re-run stops before the in-place op.)\n{_DEBUG_TIP}"
+    )
+
+
 def _op_name(maker: str) -> str:
     """``SinBackward0`` -> ``aten.sin``, where an aten op of that name exists; else the node's name."""
     if maker in ("leaf", "no grad"):
@@ -752,7 +778,7 @@ class _DebugLog:
 
         return self.forward, _Reusable(recompute)
 
-    def explain(self, error: CheckpointError) -> CheckpointError:
+    def explain(self, error: CheckpointError, in_place: bool = False) -> CheckpointError:
         rows = itertools.zip_longest(self.forward.ops, self.recompute.ops, fillvalue=("", ""))
         width = max([len(f"{op}  ({line})") for op, line in self.forward.ops] + [len("forward")])
         lines, marked = [], False
@@ -762,6 +788,8 @@ class _DebugLog:
             mark = ""
             if not marked and fwd[0] != rec[0] and rec[0]:
                 mark, marked = "   <-- first difference", True
+            elif in_place and _writes_in_place(rec[0]):
+                mark = "   <-- in place"
             lines.append(f"{i:>4}  {left:<{width}}  {right}{mark}")
         header = f"{'#':>4}  {'forward':<{width}}  recomputation"
         return CheckpointError(
@@ -771,6 +799,12 @@ class _DebugLog:
             "(detach left out: checkpointing adds those itself; the recomputation may end early, "
             "where it had recomputed everything backward needs):\n" + "\n".join([header, *lines])
         )
+
+
+def _writes_in_place(op: str) -> bool:
+    """Whether the op named ``op`` (``aten.add_.Tensor``, ``aten.sin.out``) writes into a tensor."""
+    parts = op.split(".")
+    return len(parts) == 3 and (parts[1].endswith("_") or parts[2].startswith("out"))
 
 
 class _Reusable:
@@ -789,9 +823,10 @@ class _Reusable:
         return self.active.pop().__exit__(*exc)
 
 
-def _explained(frame: Frame, error: CheckpointError) -> CheckpointError:
-    """The error, with the op logs of forward and recomputation side by side if ``debug=True``."""
-    return error if frame.debug_log is None else frame.debug_log.explain(error)
+def _explained(frame: Frame, error: CheckpointError, in_place: bool = False) -> CheckpointError:
+    """The error, with the op logs of forward and recomputation side by side if ``debug=True``
+    (``in_place``: the recomputation's in-place ops marked, one of them is the culprit)."""
+    return error if frame.debug_log is None else frame.debug_log.explain(error, in_place)
 
 
 # The names these had before they were public (a copy of older code may still use them).

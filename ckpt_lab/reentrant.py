@@ -210,9 +210,10 @@ _NO_OUTPUT_REQUIRES_GRAD = (
 
 # NOTE [ The reentrant determinism check ]
 # torch's reentrant variant trusts the re-run; a function that branches on Python state (a counter,
-# Python's ``random``) gets wrong gradients silently. The non-reentrant checkpoint compares what each
-# run *saves*, and learns the op that made each saved tensor for free from its ``grad_fn``. Here the
-# forward runs under no_grad and saves nothing, so there is nothing free to compare op by op.
+# Python's ``random``), or that captures a tensor changed in place before backward, gets wrong
+# gradients silently. The non-reentrant checkpoint compares what each run *saves*, and learns the op
+# that made each saved tensor for free from its ``grad_fn``. Here the forward runs under no_grad and
+# saves nothing, so there is nothing free to compare op by op.
 #
 # Rejected: recording the aten ops of forward and re-run with a ``TorchDispatchMode`` and comparing
 # the sequences. Measured on the benchmark's quick workloads, it made this checkpoint 1.37x to 1.51x
@@ -250,8 +251,9 @@ class _Fingerprints:
             with torch.no_grad():  # the re-run runs with grad on: no graph for the norm
                 rerun = _norm(again) if norm is not None else None
             if rerun is not None and not _close(norm, rerun, again.dtype):
+                shown_rerun, shown_forward = _apart(float(rerun), float(norm))
                 raise _not_the_forward(
-                    f"output {i} has norm {float(rerun):.6g} in the re-run and {float(norm):.6g} in the "
+                    f"output {i} has norm {shown_rerun} in the re-run and {shown_forward} in the "
                     "forward, with the same shape, dtype and device"
                 )
 
@@ -282,12 +284,26 @@ def _close(forward: float | torch.Tensor, rerun: float | torch.Tensor, dtype: to
     return math.isclose(forward, rerun, rel_tol=rtol) or (math.isnan(forward) and math.isnan(rerun))
 
 
+def _apart(*values: float) -> list[str]:
+    """The values to 3 significant digits, or to more where 3 would show them equal."""
+    # 3, not 6: notebooks store this message and nbval compares it exactly, and a norm is a float sum
+    # whose last digits may differ on another processor (another summation order); 3 digits stay put
+    # unless the value sits on a rounding boundary.
+    for digits in (3, 6, 9, 17):
+        shown = [f"{value:.{digits}g}" for value in values]
+        if len(set(shown)) == len(shown):
+            break
+    return shown
+
+
 def _not_the_forward(what: str) -> CheckpointError:
     return CheckpointError(
         f"reentrant_checkpoint: the recomputation is not the forward: {what}. The function took "
         "another path when backward re-ran it (a branch on Python state that changed between the "
-        "calls: a counter, a flag, Python's random), and backward would compute wrong gradients. Make "
-        "that choice outside the checkpoint and pass it in. To see where the runs part, run the block "
-        "under ckpt_lab.checkpoint(..., debug=True); to accept the difference, pass "
+        "calls: a counter, a flag, Python's random), or a tensor the function captures (not one of its "
+        "inputs) changed in place between forward and backward; backward would compute wrong "
+        "gradients. Make that choice outside the checkpoint and pass it in, and pass tensors as "
+        "arguments: autograd then catches an in-place change. To see where the runs part, run the "
+        "block under ckpt_lab.checkpoint(..., debug=True); to accept the difference, pass "
         'determinism_check="none".'
     )

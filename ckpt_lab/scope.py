@@ -21,7 +21,7 @@ scope, hardened for real code. Both pass ``ckpt_lab.scope_checks``. Top to botto
 
 Then, behind a banner, the hardening: what the tape leaves out, a scope inside a checkpoint, outside
 inputs let go once replayed, in-place writes to outside tensors, aliases of the scope's memory, and
-Dynamo. Last, an appendix: NOTE [ Speed ], the shortcuts of the per-op path, lettered (a) to (j)
+Dynamo. Last, an appendix: NOTE [ Speed ], the shortcuts of the per-op path, lettered (a) to (n)
 and cited from the code. The design notes sit next to the code they explain, as ``NOTE [ ... ]``
 comments that the code cites.
 
@@ -682,7 +682,7 @@ def _scope_ref(tensor: torch.Tensor, register: bool = True) -> _ScopeTensorRef |
     if version != replayer.slots[version_slot].version or tensor.is_conj() or tensor.is_neg():
         return None
     geometry = None
-    # The registered tensor itself, on memory of its own, is its slot's tensor (NOTE [ Speed ] (o));
+    # The registered tensor itself, on memory of its own, is its slot's tensor (NOTE [ Speed ] (n));
     # a view or an undeclared alias is remade from its geometry, unless it has its base's.
     if made is not tensor or storage_slot != version_slot:
         shape, stride, offset, dtype, _ = replayer.slots[storage_slot].meta
@@ -1589,7 +1589,7 @@ def _skip_dynamo(code: types.CodeType) -> None:
 #     of a scope tensor's death does the recording's bookkeeping itself.
 # (m) A replay unpacks each recorded op's fields at once; its plan reads the slots each op reads
 #     from _Op.reads, gathered while the op was recorded, not from its arguments again.
-# (o) The pack hook compares a tensor's geometry with its slot's only for a view or an undeclared
+# (n) The pack hook compares a tensor's geometry with its slot's only for a view or an undeclared
 #     alias: the registered tensor itself, on memory of its own, is its slot's tensor.
 # Measured on the benchmark's chain of 64 dropout blocks (paired rounds, one thread, process time on
-# a shared machine): (k)-(o) took the scope from 1.26x to 1.16x torch's non-reentrant checkpoint.
+# a shared machine): (k)-(n) took the scope from 1.26x to 1.16x torch's non-reentrant checkpoint.

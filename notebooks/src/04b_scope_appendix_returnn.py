@@ -515,7 +515,7 @@ del z
 # lives, asserting it runs on the entering thread. The peer calls it itself once no recorded tensor
 # is alive: at `__exit__`, or from a tensor's deletion hook, an unpack, its patched
 # `__enter__`/`__exit__`, its `__del__`
-# ([source](https://github.com/rwth-i6/returnn/blob/master/returnn/torch/util/gradient_checkpoint.py)).
+# ([source](https://github.com/rwth-i6/returnn/blob/5637148746a4271277229c1667f5a4a989e54a11/returnn/torch/util/gradient_checkpoint.py)).
 # Called early by a user, it ends the recomputation: scope tensors saved later are stored. Ours
 # needs no such call: the entry goes at the first safe point after the last scope tensor dies (at
 # `del x` in notebook 04 §3, after backward above, on another thread at its next safe point).
@@ -629,7 +629,7 @@ run_peer("exception", raising)
 # ## 12. Speed
 #
 # The tape runs once per forward op, the replay once per op it re-runs: NOTE [ Speed ], at the end
-# of `scope.py`, lists the shortcuts (a)–(o) that spare Python calls there (cached schema facts,
+# of `scope.py`, lists the shortcuts (a)–(n) that spare Python calls there (cached schema facts,
 # `__slots__`, an op's C++ entry point called directly, Dynamo told once to skip the mode), each
 # cited where the code takes it. None changes what is recorded or replayed; the benchmark's scope
 # rows (README) measure them.
