@@ -11,7 +11,8 @@ nbval's ``notebooks/conftest.py`` last, so ``from conftest import`` in a test wo
 * equality: ``assert_all_equal`` (bitwise, position by position, says where and by how much);
 * gradients: ``leaves``, ``grads``, ``output_and_grads``, ``saved_by``;
 * ``sin_chain``; random op chains for the property tests: ``CHAIN_OPS``, ``run_chain``, ``chain``;
-* ``cuda``: the mark that skips a test without a CUDA device.
+* ``cuda``: the mark that skips a test without a CUDA device; ``TORCH``: the running torch's
+  (major, minor), for tests that compare with a behaviour of torch's that changed between releases.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ckpt_lab.nonreentrant import checkpoint
 from ckpt_lab.reentrant import reentrant_checkpoint
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
 # ----------------------------------------------------------------------------------- the checkpoints
