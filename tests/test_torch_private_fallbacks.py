@@ -485,3 +485,27 @@ def test_the_grader_reports_leftover_hooks_it_cannot_pop(monkeypatch) -> None:
     finally:
         hooks.__exit__(None, None, None)
     assert global_state() == before
+
+
+def test_compiled_graph_calls_work_boxed_or_not() -> None:
+    # _boxed_call asks aot_autograd for one list; were torch to stop reading it, the inputs would come
+    # one by one, and the compiled graph (boxed_nop's, taking a list) must get its list all the same.
+    from ckpt_lab import compiled
+
+    seen = []
+    run = compiled._run_inside("forward", lambda args: seen.append(list(args)) or args[0] + args[1], False)
+    a, b = torch.ones(2), torch.full((2,), 2.0)
+    assert run._boxed_call is True
+    assert torch.equal(run([a, b]), torch.full((2,), 3.0)) and torch.equal(run(a, b), torch.full((2,), 3.0))
+    assert [len(s) for s in seen] == [2, 2]
+
+
+def test_an_op_packet_is_refused_without_torchs_packet_class(monkeypatch) -> None:
+    from ckpt_lab.selective import OpListError
+
+    packet = torch.ops.aten.mm
+    monkeypatch.delattr(torch._ops, "OpOverloadPacket")
+    with pytest.raises(
+        OpListError, match=re.escape("The list must hold aten ops, e.g. torch.ops.aten.mm.default.")
+    ):
+        selective_checkpoint(torch.sin, torch.randn(2, requires_grad=True), policy=[packet])
