@@ -29,8 +29,8 @@ import types
 from typing import Any
 
 # First: on a torch without a private name the package can't be imported without, a clear error
-# naming it and torch's version (ckpt_lab/torch_private.py), not an ImportError from inside.
-from ckpt_lab import torch_private  # noqa: F401
+# naming it and torch's version (ckpt_lab/_torch_needed.py), not an ImportError from inside.
+from ckpt_lab import _torch_needed  # noqa: F401
 from ckpt_lab.errors import CheckpointError
 from ckpt_lab.instruments.counting import CallCounter, OpCounter, count_flops
 from ckpt_lab.instruments.memory import LiveMemory, MemoryReport, measure_memory

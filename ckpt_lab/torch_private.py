@@ -28,8 +28,8 @@ gradients exact, perhaps slower or with less to report), or ``error`` (the featu
 fails with ``ckpt_lab.errors.missing_error``: which feature, which private name, which torch).
 tests/test_torch_private_fallbacks.py takes each name away and checks that it is so. The uses
 without which the package can't be imported at all are checked when it is imported
-(``check_needed_at_import``): such a torch gets that clear error, naming the first one it lacks,
-before anything else, and ``python -m ckpt_lab.torch_private`` too. Where a use's ``today``
+(ckpt_lab/_torch_needed.py): such a torch gets that clear error, naming the first one it lacks,
+before anything else (``python -m ckpt_lab.torch_private`` too). Where a use's ``today``
 differs from ``if_missing``, the entry says so: that is work to do, not a promise kept (none does).
 """
 
@@ -63,8 +63,8 @@ class PrivateUse:
 
 
 # What a use whose absence the package cannot get past says: checked when ckpt_lab is imported
-# (``check_needed_at_import``, below), so that such a torch gets missing_error naming the name and the
-# version, not an ImportError from somewhere inside.
+# (ckpt_lab/_torch_needed.py, which lists these uses again), so that such a torch gets missing_error
+# naming the name and the version, not an ImportError from somewhere inside.
 _AT_IMPORT = "error: ckpt_lab cannot be imported (importing it names this and torch's version)"
 
 PRIVATE_API: tuple[PrivateUse, ...] = (
@@ -407,17 +407,6 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
 )
 
 
-def check_needed_at_import() -> None:
-    """Raise ``missing_error`` for the first use the package can't be imported without (``_AT_IMPORT``)
-    that this torch lacks. Run when this module is imported, which ckpt_lab/__init__ does first."""
-    for use in PRIVATE_API:
-        if use.if_missing.startswith(_AT_IMPORT):
-            try:
-                resolve(use.path)
-            except (ImportError, AttributeError):
-                raise missing_error(use.path, "ckpt_lab") from None
-
-
 # Instances whose attributes the ``Class()._attr`` entries name.
 def _sample(cls_path: str) -> Any:
     import torch
@@ -495,9 +484,6 @@ def main() -> int:
     print(f"\ntorch {torch.__version__}: {len(PRIVATE_API) - len(absent)} of {len(PRIVATE_API)} present")
     return 1 if absent else 0
 
-
-# When ckpt_lab is imported (its __init__ imports this module first): see check_needed_at_import.
-check_needed_at_import()
 
 if __name__ == "__main__":
     sys.exit(main())

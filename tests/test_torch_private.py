@@ -277,14 +277,21 @@ def test_the_code_does_what_every_entry_promises() -> None:
 def test_importing_ckpt_lab_names_what_it_cannot_be_imported_without(monkeypatch) -> None:
     import torch.utils._pytree as pytree
 
+    from ckpt_lab import _torch_needed
+
     needed = [use.path for use in PRIVATE_API if use.if_missing.startswith(torch_private._AT_IMPORT)]
-    assert "torch.utils._pytree.tree_map_only" in needed and "torch.Tensor()._base" in needed
-    torch_private.check_needed_at_import()  # this torch has them all
+    assert tuple(needed) == _torch_needed.NEEDED_AT_IMPORT  # the same uses, in the list's order
+    _torch_needed.check()  # this torch has them all
     monkeypatch.delattr(pytree, "tree_map_only")
     with pytest.raises(
         RuntimeError, match=r"^ckpt_lab needs torch's private torch\.utils\._pytree\.tree_map_only,"
     ):
-        torch_private.check_needed_at_import()
+        _torch_needed.check()
+    monkeypatch.undo()
+    assert _torch_needed._present("torch.Tensor()._version") and not _torch_needed._present(
+        "torch.Tensor()._nope"
+    )
+    assert not _torch_needed._present("torch._no_such_module.x")
 
 
 # ------------------------------------------------------------------------------- the list is whole
