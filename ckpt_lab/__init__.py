@@ -28,6 +28,9 @@ import sys
 import types
 from typing import Any
 
+# First: on a torch without a private name the package can't be imported without, a clear error
+# naming it and torch's version (ckpt_lab/_torch_needed.py), not an ImportError from inside.
+from ckpt_lab import _torch_needed  # noqa: F401
 from ckpt_lab.errors import CheckpointError
 from ckpt_lab.instruments.counting import CallCounter, OpCounter, count_flops
 from ckpt_lab.instruments.memory import LiveMemory, MemoryReport, measure_memory

@@ -34,9 +34,24 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.hooks import RemovableHandle
+
+from ckpt_lab.errors import missing_error
+
+# torch's private API (ckpt_lab/torch_private.py lists each use). The base class of every BatchNorm;
+# on a torch without it, the public ones (a subclass of _BatchNorm of one's own is then missed).
+try:
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    _BATCH_NORMS: tuple[type, ...] = (_BatchNorm,)
+except ImportError:
+    _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+    _BATCH_NORMS += (nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
+# Needed: on a torch without it, skip_stats_update_in_recompute raises, naming it.
+try:
+    from torch.utils._python_dispatch import _disable_current_modes
+except ImportError:
+    _disable_current_modes = None
 
 __all__ = ["StatsHooks", "in_backward", "skip_stats_update_in_recompute"]
 
@@ -63,6 +78,10 @@ def skip_stats_update_in_recompute(module: nn.Module) -> StatsHooks:
             f"skip_stats_update_in_recompute: expected an nn.Module (a model, or one BatchNorm), got "
             f"{type(module).__name__}. Pass the model that contains the BatchNorms; for several "
             "separate modules call it once per module, or pass nn.ModuleList([...])."
+        )
+    if _disable_current_modes is None:
+        raise missing_error(
+            "torch.utils._python_dispatch._disable_current_modes", "skip_stats_update_in_recompute"
         )
     hooks = StatsHooks()
 
@@ -94,7 +113,7 @@ def skip_stats_update_in_recompute(module: nn.Module) -> StatsHooks:
         _SWAPPED.discard(id(bn))
 
     for submodule in module.modules():
-        if isinstance(submodule, _BatchNorm):
+        if isinstance(submodule, _BATCH_NORMS):
             hooks.handles.append(submodule.register_forward_pre_hook(pre_hook))
             hooks.handles.append(submodule.register_forward_hook(post_hook, always_call=True))
     return hooks
@@ -155,5 +174,3 @@ class StatsHooks:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
-
-

@@ -68,12 +68,12 @@ import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib import import_module
 from typing import Any
 
 import torch
 
 from ckpt_lab._eager import run_eagerly
+from ckpt_lab.torch_private import missing_error, optional
 
 __all__ = [
     "BACKEND",
@@ -149,6 +149,22 @@ class CompiledStep:
         return "forward:\n" + compact(self.forward_graph) + "\nbackward:\n" + compact(self.backward_graph)
 
 
+# The compiler's private API this module reads (ckpt_lab/torch_private.py lists each use): the backend's
+# parts, the partitioner's budget, Dynamo's explain. On a torch without one, the measurement that needs
+# it raises a clear error naming it and the torch version; never numbers of another compilation.
+def _private(path: str) -> Any:
+    found = optional(path)
+    if found is None:
+        raise missing_error(path, "ckpt_lab.compiled")
+    return found
+
+
+def _memory_budget(budget: float) -> contextlib.AbstractContextManager:
+    """``torch._functorch.config.patch(activation_memory_budget=budget)``, or the clear error."""
+    _private("torch._functorch.config.activation_memory_budget")
+    return torch._functorch.config.patch(activation_memory_budget=budget)
+
+
 # Dispatch modes the compiled graphs run under (NOTE [ Memory inside the compiled graphs ]).
 _INSIDE: list[Any] = []
 
@@ -170,11 +186,15 @@ _UNMEASURED: list[str] = []  # graphs that ran without them (``_has_higher_order
 def _has_higher_order_ops(gm: torch.fx.GraphModule) -> bool:
     # torch's checkpoint with dropout leaves run_and_save_rng_state / run_with_rng_state in the graphs:
     # higher-order ops our dispatch modes do not handle, so such graphs run unmeasured.
-    return any(isinstance(n.target, torch._ops.HigherOrderOperator) for n in gm.graph.nodes)
+    higher_order = _private("torch._ops.HigherOrderOperator")
+    return any(isinstance(n.target, higher_order) for n in gm.graph.nodes)
 
 
 def _run_inside(kind: str, compiled_fn: Callable[..., Any], measurable: bool = True) -> Callable[..., Any]:
-    def run(args: Any) -> Any:
+    def run(*args: Any) -> Any:
+        # Boxed (one list, as ``_boxed_call`` asks); or, were torch to stop reading that attribute, the
+        # graph's inputs one by one: the compiled graph takes them as one list either way.
+        args = args[0] if len(args) == 1 and isinstance(args[0], list) else list(args)
         if not measurable:
             _UNMEASURED.append(kind)
             return compiled_fn(args)
@@ -198,8 +218,9 @@ def _run_inside(kind: str, compiled_fn: Callable[..., Any], measurable: bool = T
 def _recording_backend(graphs: dict[str, torch.fx.GraphModule]) -> Callable[..., Any]:
     """``aot_eager_decomp_partition``, with its forward and backward graphs kept in ``graphs``."""
     from functorch.compile import min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
+
+    aot_autograd = _private("torch._dynamo.backends.common.aot_autograd")
+    boxed_nop = _private("torch._dynamo.backends.debugging.boxed_nop")
 
     def recorder(kind: str) -> Callable[..., Any]:
         def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -212,7 +233,7 @@ def _recording_backend(graphs: dict[str, torch.fx.GraphModule]) -> Callable[...,
         fw_compiler=recorder("forward"),
         bw_compiler=recorder("backward"),
         # The decompositions and partitioner torch.compile's inductor backend uses.
-        decompositions=lambda: import_module("torch._inductor.compile_fx").select_decomp_table(),
+        decompositions=lambda: _private("torch._inductor.compile_fx.select_decomp_table")(),
         partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
     )
 
@@ -290,9 +311,9 @@ def compile_step(
 
     from ckpt_lab.instruments.flops import matmul_flops
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     mem = _graph_memory()
-    with torch._functorch.config.patch(activation_memory_budget=budget):
+    with _memory_budget(budget):
         compiled = torch.compile(fn, backend=_recording_backend(graphs))
         for t in leaves:
             t.grad = None
@@ -327,7 +348,7 @@ def compile_step(
         finally:
             _INSIDE.clear()
             mem.closed = True
-    torch._dynamo.reset()
+    torch.compiler.reset()
     grads = [None if t.grad is None else t.grad.detach().clone() for t in leaves]
     backward = graphs["backward"]
     recomputed = [n for n in backward.graph.nodes if _is_recomputed(n)]
@@ -404,9 +425,9 @@ def compact(gm: torch.fx.GraphModule, width: int = 96) -> str:
 
 def graph_breaks(fn: Callable[..., Any], *inputs: Any) -> tuple[int, int]:
     """(graphs, graph breaks) that Dynamo makes of ``fn(*inputs)``, from ``torch._dynamo.explain``."""
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(fn)(*inputs)
-    torch._dynamo.reset()
+    torch.compiler.reset()
+    explained = _private("torch._dynamo.explain")(fn)(*inputs)
+    torch.compiler.reset()
     return explained.graph_count, explained.graph_break_count
 
 
@@ -516,8 +537,8 @@ def compiled_results(
             if budget == 1.0
             else compile_step(run, wl.input, budget=budget, params=params, check=False)
         )
-        torch._dynamo.reset()
-        with torch._functorch.config.patch(activation_memory_budget=budget):
+        torch.compiler.reset()
+        with _memory_budget(budget):
             fast = torch.compile(run, backend=_recording_backend({}))
             timed(fast)  # compiles
             timed(run)
@@ -526,7 +547,7 @@ def compiled_results(
                 eager, compiled_ = timed(run), timed(fast)
                 seconds.append(compiled_)
                 ratios.append(compiled_ / eager)
-        torch._dynamo.reset()
+        torch.compiler.reset()
         rows.append(
             BudgetRow(
                 budget,

@@ -29,19 +29,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from ckpt_lab.errors import missing_error
 from ckpt_lab.helpers.processes import WorkerError, free_port, run_workers
 from ckpt_lab.instruments.counting import CallCounter
 from ckpt_lab.instruments.memory import measure_memory
 from ckpt_lab.nonreentrant import checkpoint
 from ckpt_lab.strategies import REGISTRY, by_label
+
+# torch's FSDP recipe, private (ckpt_lab/torch_private.py): without it this module can't be imported.
+try:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+except ImportError as error:
+    wrapper = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+    raise missing_error(f"{wrapper}.checkpoint_wrapper", "ckpt_lab.distributed") from error
 
 __all__ = [
     "REENTRANT",

@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckpt_lab._eager import run_eagerly
-from ckpt_lab.errors import CheckpointError
+from ckpt_lab.errors import CheckpointError, missing_error
 from ckpt_lab.rng import ReplayState
 
 __all__ = [
@@ -399,6 +399,15 @@ def recompute(frame: Frame, task: int) -> None:
 # ============================================================================================
 # Behind the mechanism: torch's keywords, the errors, debug=True, torch 2.14's additions
 # ============================================================================================
+# torch's private API this checkpoint can't do without (ckpt_lab/torch_private.py lists each use):
+# on a torch without it, a clear error now, at import, rather than an AttributeError inside backward.
+if not hasattr(torch._C, "_current_graph_task_id"):
+    raise missing_error("torch._C._current_graph_task_id", "ckpt_lab.checkpoint (non-reentrant)")
+if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):
+    raise missing_error(
+        "torch._C._autograd._top_saved_tensors_default_hooks", "ckpt_lab.checkpoint (non-reentrant)"
+    )
+
 # None: each call's keyword decides; True/False: the context managers below override it.
 _early_stop_override: bool | None = None
 _debug_override: bool | None = None
@@ -566,11 +575,20 @@ def _device_context() -> contextlib.AbstractContextManager:
     A CUDA backward runs on autograd's device thread, where the caller's ``torch.device`` block is not
     active: without this, ``torch.empty(4)`` in the re-run would land on the CPU.
     """
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
+    try:
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._device import DeviceContext
+    except ImportError:
+        # A torch without them: no device block is re-entered. A factory call without a device then
+        # makes the re-run differ, which the determinism check reports (torch's checkpoint does the same).
+        return contextlib.nullcontext()
 
     modes = [m for m in _get_current_function_mode_stack() if isinstance(m, DeviceContext)]
-    return modes[-1] if modes else contextlib.nullcontext()
+    # A fresh context on the same device, not the forward's instance: entering that one again in the
+    # re-run overwrites what its own exit puts back (torch.utils._device.CURRENT_DEVICE), and the
+    # default device set by torch.set_default_device outlived the caller's set_default_device(None)
+    # (torch fixed the same in its checkpoint in 2.14).
+    return DeviceContext(modes[-1].device) if modes else contextlib.nullcontext()
 
 
 # NOTE [ Our hooks and the user's ]

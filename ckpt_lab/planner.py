@@ -329,9 +329,12 @@ class _UndoWrites(TorchDispatchMode):
         for storage, copy in self.saved.values():
             # Storage to storage: no tensor's version counter moves.
             storage.copy_(copy)
-        # Views share one counter: put the earliest version noted back last.
-        for tensor, version in reversed(self.versions.values()):
-            torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
+        # Views share one counter: put the earliest version noted back last. On a torch without
+        # _unsafe_set_version_counter the counters stay moved: a graph that saved such a tensor before
+        # profiling then raises autograd's in-place error in backward (loud, never wrong).
+        if hasattr(torch._C._autograd, "_unsafe_set_version_counter"):
+            for tensor, version in reversed(self.versions.values()):
+                torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
         return result
 
 
@@ -449,13 +452,16 @@ class PlanPolicy:
     def __init__(self, profile: Profile, saved: frozenset[int]) -> None:
         self.profile, self.saved = profile, saved
         self.position = itertools.count()
+        # torch 2.11's SAC asks again during the recomputation (ctx.is_recompute=True), op by op in
+        # the forward's order: those calls count on their own and get the forward's decisions.
+        self.recompute_position = itertools.count()
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
         # Not in the profile: whether the real run casts a weight depends on autocast's cache (NOTE
         # [ Autocast's weight casts ] in selective.py); selective_checkpoint never saves one.
         if is_autocast_weight_cast(op, args, kwargs):
             return RECOMPUTE
-        index = next(self.position)
+        index = next(self.recompute_position if getattr(ctx, "is_recompute", False) else self.position)
         ops = self.profile.ops
         expected = ops[index].op if index < len(ops) else None
         if op is not expected:
@@ -492,6 +498,7 @@ class TracedPlanPolicy(PlanPolicy):
     def __init__(self, profile: Profile, saved: frozenset[int]) -> None:
         super().__init__(profile, saved)
         self.seen: dict[Any, int] = {}
+        self.recompute_seen: dict[Any, int] = {}  # torch 2.11's calls with ctx.is_recompute (above)
         self.where: dict[Any, list[int]] = {}  # op -> its positions in the profile
         for r in profile.ops:
             self.where.setdefault(r.op, []).append(r.index)
@@ -499,7 +506,8 @@ class TracedPlanPolicy(PlanPolicy):
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
         if is_autocast_weight_cast(op, args, kwargs) or op not in self.where:
             return RECOMPUTE
-        k = self.seen[op] = self.seen.get(op, -1) + 1
+        seen = self.recompute_seen if getattr(ctx, "is_recompute", False) else self.seen
+        k = seen[op] = seen.get(op, -1) + 1
         if k >= len(self.where[op]):
             raise CheckpointError(
                 f"plan: under torch.compile, call {k + 1} of {op} in this region, but the profile the "

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ckpt_lab._eager import run_eagerly
-from ckpt_lab.errors import CheckpointError
+from ckpt_lab.errors import CheckpointError, missing_error
 from ckpt_lab.rng import ReplayState
 
 __all__ = ["CheckpointFunction", "reentrant_checkpoint"]
@@ -100,7 +100,8 @@ class CheckpointFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Any) -> tuple[torch.Tensor | None, ...]:
         # False inside ``torch.autograd.grad`` and ``backward(inputs=...)``: the engine only computes
         # the gradients asked for and must not write to ``.grad`` -- but our nested backward would.
-        if not torch.autograd._is_checkpoint_valid():
+        # (torch.autograd._is_checkpoint_valid(), asked behind the banner.)
+        if not _is_checkpoint_valid():
             raise RuntimeError(_INCOMPATIBLE_WITH_GRAD)
         # Fresh leaves cut from the saved inputs: the nested backward stops at them and leaves their
         # gradients in ``.grad``, where we pick them up. requires_grad is copied so inputs that did
@@ -186,6 +187,18 @@ def _check_options(options: dict[str, Any]) -> bool:
             '"none" checks nothing, as torch\'s reentrant variant.'
         )
     return determinism_check == "default"
+
+
+def _is_checkpoint_valid() -> bool:
+    """``torch.autograd._is_checkpoint_valid()``, torch's own answer (its reentrant checkpoint asks it
+    too); on a torch without it, a clear error: skipping the check could write ``.grad`` where
+    ``torch.autograd.grad()`` must not."""
+    valid = getattr(torch.autograd, "_is_checkpoint_valid", None)
+    if valid is None:
+        raise missing_error(
+            "torch.autograd._is_checkpoint_valid", "reentrant_checkpoint's check against autograd.grad()"
+        )
+    return valid()
 
 
 _NO_INPUT_REQUIRES_GRAD = (

@@ -43,16 +43,10 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch._C._autograd import (
-    _pop_saved_tensors_default_hooks,
-    _push_saved_tensors_default_hooks,
-    _saved_tensors_hooks_is_enabled,
-    _top_saved_tensors_default_hooks,
-)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckpt_lab._aten import _OP_INFO, OpInfo, op_info, storage_of
-from ckpt_lab.errors import CheckpointError
+from ckpt_lab.errors import CheckpointError, missing_error
 from ckpt_lab.rng import (
     GeneratorState,
     ReplayState,
@@ -69,6 +63,16 @@ __all__ = [
     "pack_hook_below",
     "recomputes_region",
 ]
+
+# torch's private API the scope stands on (ckpt_lab/torch_private.py lists every use), looked up once:
+# None where this torch lacks it, and then the scope refuses to open (NOTE [ Private names ]).
+_pop_saved_tensors_default_hooks = getattr(torch._C._autograd, "_pop_saved_tensors_default_hooks", None)
+_push_saved_tensors_default_hooks = getattr(torch._C._autograd, "_push_saved_tensors_default_hooks", None)
+_saved_tensors_hooks_is_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+_top_saved_tensors_default_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+# Only switches grad mode: torch.set_grad_enabled(mode), called as a function, does the same.
+_set_grad_enabled = getattr(torch._C, "_set_grad_enabled", None) or torch.set_grad_enabled
 
 
 # ============================================================================= 1. the public API
@@ -87,6 +91,8 @@ def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[No
     ``preserve_rng_state=False`` skips the RNG snapshots: only safe if the scope draws no random
     numbers, or if different ones in the recomputation are acceptable.
     """
+    if _LACKING:
+        raise missing_error(_LACKING[0], "gradient_checkpoint_scope")  # NOTE [ Private names ]
     hooks = _ResidentHooks.of_this_thread()
     # Where a scope does nothing (the with block simply runs):
     if (
@@ -97,7 +103,7 @@ def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[No
         # with grad disabled: nothing will be saved, so there is nothing to recompute;
         or not torch.is_grad_enabled()
         # inside backward: the engine undoes any change to the hooks stack, see NOTE [ Safe points ];
-        or torch._C._current_graph_task_id() != -1
+        or _current_graph_task_id() != -1
         # inside a checkpointed region: see NOTE [ A scope inside a checkpoint ].
         or _inside_a_checkpoint()
     ):
@@ -186,7 +192,7 @@ _thread = _ThreadState()
 
 # ======================================================================= 2. recording: the tape
 _NO_KWARGS: dict = {}
-_graph_task_id = torch._C._current_graph_task_id
+_graph_task_id = _current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
 _inference_mode_enabled = torch.is_inference_mode_enabled
 
@@ -203,8 +209,14 @@ class _RecordingMode(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        # No torch._dynamo.disable wrapper: see NOTE [ Speed ] (j).
-        return False
+        # No torch._dynamo.disable wrapper where Dynamo can be told once to skip the code instead
+        # (_skip_dynamo): see NOTE [ Speed ] (j). On a torch without that C API, torch's wrapper stays.
+        return not (
+            hasattr(torch._C._dynamo.eval_frame, "set_code_exec_strategy")
+            and hasattr(torch._C._dynamo.eval_frame, "_FrameExecStrategy")
+            and hasattr(torch._C._dynamo.eval_frame, "_FrameAction")
+            and hasattr(torch._C._dynamo.eval_frame._FrameAction, "SKIP")
+        )
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or _NO_KWARGS  # See NOTE [ Speed ] (e).
@@ -1006,7 +1018,7 @@ class _Replayer:
         finally:
             for state in callers:
                 state.restore()
-            torch._C._set_grad_enabled(caller_grad)
+            _set_grad_enabled(caller_grad)
         self.values = {slot: values[slot] for slot in wanted}
         self.pending = dict(wanted)
         if self.offers:
@@ -1062,7 +1074,7 @@ def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, l
         _, args, kwargs, outputs, metas, _, draw, op_grad, call, _ = op
         if op_grad is not grad:
             grad = op_grad
-            torch._C._set_grad_enabled(grad)
+            _set_grad_enabled(grad)
         if alias_at and n in alias_at:
             # A tensor sharing the scope's memory: a view of the recomputed memory.
             for slot in alias_at[n]:
@@ -1222,8 +1234,10 @@ class _ResidentHooks:
                 self.retry_after = task
                 try:
                     torch.autograd.Variable._execution_engine.queue_callback(_AfterBackward(self))
-                except RuntimeError:
-                    pass  # no callbacks here (an unusual engine): the next safe point will do it
+                except (RuntimeError, AttributeError):
+                    # No callbacks here (an unusual engine, or a torch without queue_callback): the
+                    # next safe point will do it (one stack entry kept a while; gradients unaffected).
+                    pass
             return
         # Not a safe point: another thread, inside a hook, or hooks disabled (we could not pop).
         if threading.get_ident() != self.owner or _thread.in_hook or not _saved_tensors_hooks_is_enabled():
@@ -1343,6 +1357,28 @@ def _autocast_off(state: ReplayState) -> Any:
 # ======================================================================================================
 # Hardening: what real code needs besides the mechanism above. Each part is a NOTE the code cites.
 # ======================================================================================================
+# NOTE [ Private names ]
+# The scope stands on torch's private API (ckpt_lab/torch_private.py lists each use and the releases
+# it was checked on). Those it cannot do without are looked up once, at import (the top of this
+# file); on a torch that lacks one, the scope refuses to open and names it, rather than failing
+# inside backward at the first replay (_AutoDispatchBelowAutograd) or recording what it could never
+# put back (the hooks stack). Where a public call does the same, it stands in: torch.set_grad_enabled
+# for _set_grad_enabled. Torch's checkpoint hooks, and Dynamo's marker: NOTE [ A scope inside a
+# checkpoint ] and _skip_dynamo.
+_LACKING = [
+    path
+    for path, found in (
+        ("torch._C._autograd._pop_saved_tensors_default_hooks", _pop_saved_tensors_default_hooks),
+        ("torch._C._autograd._push_saved_tensors_default_hooks", _push_saved_tensors_default_hooks),
+        ("torch._C._autograd._saved_tensors_hooks_is_enabled", _saved_tensors_hooks_is_enabled),
+        ("torch._C._autograd._top_saved_tensors_default_hooks", _top_saved_tensors_default_hooks),
+        ("torch._C._current_graph_task_id", _current_graph_task_id),
+        ("torch._C._AutoDispatchBelowAutograd", getattr(torch._C, "_AutoDispatchBelowAutograd", None)),
+    )
+    if found is None
+]
+
+
 # NOTE [ What the tape leaves out ]
 # The tape is the forward's ops, and only those. Run through the mode but not recorded:
 # * ops run by our hooks or a replay: see NOTE [ Per-thread state ];
@@ -1370,10 +1406,15 @@ def _autocast_off(state: ReplayState) -> Any:
 # (a copied or renamed checkpoint would be missed):
 # * torch's, by the code objects of its two pack hooks (the forward's, defined in
 #   ``_checkpoint_hook.__init__``, and the re-run's, in ``_recomputation_hook.__init__``), read
-#   from torch once, here; the tests check that both are found;
+#   from torch once, here; the tests check that both are found. torch 2.14 also marks both
+#   ``_checkpoint_internal = True`` (for its own ``_current_user_saved_tensors_hooks``): a second
+#   way to know them, should their code objects move;
 # * any other, by a protocol: a checkpoint whose backward re-runs its region and matches saved
 #   tensors by position sets ``recomputes_region = True`` on its pack hooks, the forward's and the
 #   re-run's (ckpt_lab's checkpoint does, and a copy of its file keeps it).
+# On a torch where neither way finds torch's hooks, any pack hook might be its checkpoint's: there a
+# scope refuses to open while a pack hook it does not know is on the stack (a clear error, where
+# opening could give wrong gradients).
 def _pack_hook_codes(*hook_classes: str) -> frozenset[types.CodeType]:
     """The code objects of the ``pack_hook`` functions defined in these classes' ``__init__``."""
     codes = set()
@@ -1388,6 +1429,18 @@ def _pack_hook_codes(*hook_classes: str) -> frozenset[types.CodeType]:
 _TORCH_CHECKPOINT_PACK_HOOKS = _pack_hook_codes("_checkpoint_hook", "_recomputation_hook")
 
 
+def _marks_its_pack_hooks(*hook_classes: str) -> bool:
+    """Whether each of these classes' ``__init__`` sets ``_checkpoint_internal`` (on its pack hook)."""
+    inits = [getattr(getattr(torch_checkpoint, name, None), "__init__", None) for name in hook_classes]
+    return all("_checkpoint_internal" in getattr(getattr(i, "__code__", None), "co_names", ()) for i in inits)
+
+
+# False: this torch's checkpoint hooks can't be told from others (the NOTE above).
+_KNOWS_TORCH_PACK_HOOKS = len(_TORCH_CHECKPOINT_PACK_HOOKS) >= 2 or _marks_its_pack_hooks(
+    "_checkpoint_hook", "_recomputation_hook"
+)
+
+
 def _recomputes_region(pack: Any) -> bool:
     """Whether ``pack`` is the pack hook of a checkpoint that re-runs its region in backward."""
     # Through decorators (torch wraps its re-run's pack hook in torch._dynamo.disable), a few deep:
@@ -1396,6 +1449,8 @@ def _recomputes_region(pack: Any) -> bool:
         if getattr(pack, "recomputes_region", False) is True:
             return True
         if getattr(pack, "__code__", None) in _TORCH_CHECKPOINT_PACK_HOOKS:
+            return True
+        if getattr(pack, "_checkpoint_internal", False) is True:
             return True
         pack = getattr(pack, "__wrapped__", None)
         if pack is None:
@@ -1415,6 +1470,14 @@ def _inside_a_checkpoint() -> bool:
         while (top := _top()) is not None and not isinstance(top[0], _PackHook):
             if _recomputes_region(top[0]):
                 return True
+            if not _KNOWS_TORCH_PACK_HOOKS:
+                hook = getattr(top[0], "__qualname__", repr(top[0]))
+                feature = f"gradient_checkpoint_scope under a pack hook it does not know ({hook})"
+                raise RuntimeError(
+                    f"{missing_error('torch.utils.checkpoint._checkpoint_hook', feature)} Without it the "
+                    "scope can't tell torch's checkpoint (inside which it must do nothing) from other pack "
+                    "hooks: open the scope outside this saved_tensors_hooks context."
+                )
             # Look below it (typically a save_on_cpu inside a checkpointed function).
             _pop_saved_tensors_default_hooks()
             popped.append(top)
@@ -1539,13 +1602,18 @@ def _skip_dynamo(code: types.CodeType) -> None:
     """Tell Dynamo to skip ``code``'s frames and every frame they call (what torch._dynamo.disable's
     wrapper does per call, here marked once on the code object). See NOTE [ Speed ] (j)."""
     _dynamo_skips.append(code)
+    if getattr(_RecordingMode.__torch_dispatch__, "__wrapped__", None) is not None:
+        # torch kept its wrapper (_RecordingMode._should_skip_dynamo): ``code`` is then the wrapper's,
+        # shared by every function torch._dynamo.disable wraps, and not ours to mark.
+        return
     try:
-        # Imported on first use, as the wrapper would (importing Dynamo takes a while).
-        from torch._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except (ImportError, AttributeError):
+        # Dynamo imported on first use, as the wrapper would (importing it takes a while); the marker
+        # is the C API _RecordingMode._should_skip_dynamo found (torch._dynamo re-exports it).
+        import torch._dynamo  # noqa: F401
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:
         return  # a torch without Dynamo: nothing would trace the mode anyway
-    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
 
 
 # ======================================================================================================

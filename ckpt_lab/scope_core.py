@@ -14,12 +14,11 @@
    each random op from its generator's recorded state, in a fork (the caller's streams go on
    untouched); it checks every recomputed tensor's shape, strides, offset, dtype and device, and
    keeps what live references want until each has been handed out.
-4. **The resident hooks.** ``x * c`` saves ``x`` after the ``with`` block, on a thread-local stack
-   where each ``__exit__`` pops the top entry, whoever pushed it. So a scope that closes with scope
-   tensors alive rebuilds the stack: a resident entry of ours at the bottom, every entry above it
-   wrapped (scope tensors to us, the rest to it); when the last scope tensor dies, at a safe point
-   (its thread, outside our hooks, outside backward), the stack is put back as it was. Nothing of
-   torch is patched.
+4. **The resident hooks.** ``x * c`` saves ``x`` after the ``with`` block, on a thread-local stack where
+   each ``__exit__`` pops the top entry, whoever pushed it. So a scope that closes with scope tensors
+   alive rebuilds the stack: a resident entry of ours at the bottom, every entry above it wrapped (scope
+   tensors to us, the rest to it); when the last scope tensor dies, at a safe point (its thread, outside
+   our hooks, outside backward), the stack is put back as it was. Nothing of torch is patched.
 
 Imports: torch, ``ckpt_lab.errors``, ``.rng`` and ``._aten`` (copying it takes those four files).
 ``ckpt_lab.scope`` is the shipped scope, this mechanism hardened; both pass ``ckpt_lab.scope_checks``.
@@ -32,7 +31,6 @@ way costs and where ``scope.py`` takes it; its NOTE [ Speed ] lists the shortcut
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 import weakref
 from collections import Counter
@@ -40,15 +38,20 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._C._autograd import _pop_saved_tensors_default_hooks as _pop
-from torch._C._autograd import _push_saved_tensors_default_hooks as _push
-from torch._C._autograd import _top_saved_tensors_default_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ckpt_lab._aten import op_info, storage_of
 from ckpt_lab.errors import CheckpointError
 from ckpt_lab.rng import AutocastState, GeneratorState, forked
+
+try:  # torch's private API (ckpt_lab/torch_private.py lists each use): no fallbacks in the core
+    from torch._C import _current_graph_task_id as _graph_task
+    from torch._C._autograd import _pop_saved_tensors_default_hooks as _pop
+    from torch._C._autograd import _push_saved_tensors_default_hooks as _push
+    from torch._C._autograd import _top_saved_tensors_default_hooks
+except ImportError as error:
+    raise ImportError(f"ckpt_lab.scope_core, on torch {torch.__version__}: {error}") from error
 
 __all__ = ["gradient_checkpoint_scope", "leftovers"]
 
@@ -65,7 +68,7 @@ def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[No
         hooks.open is not None  # nested: the outer scope records everything already
         or _thread.in_hook  # inside our hooks or a replay: those ops are not the forward's
         or not torch.is_grad_enabled()  # nothing will be saved
-        or torch._C._current_graph_task_id() != -1  # backward undoes any change to the hooks stack
+        or _graph_task() != -1  # backward undoes any change to the hooks stack
         or _inside_a_checkpoint()
     ):
         yield
@@ -109,7 +112,7 @@ def _inside_a_checkpoint() -> bool:
     popped = []
     try:
         while (top := _top()) is not None and not isinstance(top[0], _PackHook):
-            for hook in (top[0], inspect.unwrap(top[0])):  # torch wraps one in torch._dynamo.disable
+            for hook in (top[0], getattr(top[0], "__wrapped__", None)):  # torch wraps one (dynamo.disable)
                 name, says_so = getattr(hook, "__qualname__", ""), getattr(hook, "recomputes_region", False)
                 if name in _TORCH_PACK_HOOKS or says_so is True:
                     return True
@@ -137,8 +140,7 @@ class _Tape(TorchDispatchMode):
         self.inputs: dict[int, tuple[torch.Tensor, int]] = {}  # slot -> (input, its version when read)
         self.last_write: dict[int, int] = {}  # root -> the last op that wrote into it in place
         # While recording, weakly (ids get reused): id(tensor) -> (ref, slot), id(storage) -> (ref, root).
-        self.by_id: dict[int, tuple] = {}
-        self.storages: dict[int, tuple] = {}
+        self.by_id, self.storages = {}, {}
         self.scope_tensors: set[int] = set()  # keys of ours in _SCOPE_TENSORS
         self.refs: list[weakref.ref] = []  # the _Refs autograd holds, weakly: which slots a replay keeps
         # The last replay's tensors not yet handed out, how many live references want each; replays so far.
@@ -148,7 +150,7 @@ class _Tape(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         # Not the forward's ops: a replay's (an unpack inside the scope), a backward's.
-        if _thread.in_hook or torch._C._current_graph_task_id() != -1:
+        if _thread.in_hook or _graph_task() != -1:
             return func(*args, **kwargs)
         if torch.is_inference_mode_enabled():
             raise CheckpointError(f"gradient_checkpoint_scope: {func} under inference_mode. {_USE_SCOPE}")
@@ -403,7 +405,7 @@ class _Hooks:
         """Take the resident entry out if no tape needs it, at a safe point."""
         if self.live or self.resident is None:
             return
-        task = torch._C._current_graph_task_id()
+        task = _graph_task()
         if task != -1:
             # Inside backward the engine restores the stack after every node: retry once it is over.
             if task != self.retry_after:

@@ -52,7 +52,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
 from ckpt_lab._aten import is_view, tensors_in
 from ckpt_lab._eager import run_eagerly
-from ckpt_lab.errors import CheckpointError
+from ckpt_lab.errors import CheckpointError, missing_error
 from ckpt_lab.nonreentrant import _user_line, check_use_reentrant, checkpoint, user_saved_tensors_hooks
 
 __all__ = [
@@ -165,6 +165,7 @@ def selective_checkpoint_contexts(
     ``selective_checkpoint``; a checkpoint's own keyword of that name, when not ``None``, overrides it
     (torch 2.14 sets it on the forward context the same way).
     """
+    _check_torch()  # the private names _alias needs, behind the banner
     chosen = save_ops(policy) if isinstance(policy, (list, tuple)) else policy
     if not callable(chosen):
         raise TypeError(
@@ -342,6 +343,18 @@ class ServeMode(TorchDispatchMode):
 # ============================================================================================
 # Behind the mechanism: policy answers, autocast's casts, strict=True, torch's messages
 # ============================================================================================
+def _check_torch() -> None:
+    """``_alias`` re-enables ADInplaceOrView through torch's private guard: without it an in-place
+    change of a cached output would go unseen, so on a torch that lacks either name, selective
+    checkpointing refuses to start, naming it."""
+    for path, found in (
+        ("torch._C._SetExcludeDispatchKeyGuard", hasattr(torch._C, "_SetExcludeDispatchKeyGuard")),
+        ("torch._C.DispatchKey.ADInplaceOrView", hasattr(torch._C.DispatchKey, "ADInplaceOrView")),
+    ):
+        if not found:
+            raise missing_error(path, "selective_checkpoint")
+
+
 class OpListError(TypeError, ValueError):
     """A policy given as a list holds something that is not one aten op overload.
 
@@ -373,11 +386,12 @@ def _checked_ops(ops: Sequence[Any]) -> list[torch._ops.OpOverload]:
             "selective_checkpoint: Expected op in `op_list` to be an OpOverload but got: "
             f"{op} of type {type(op)}."
         )
-        if isinstance(op, torch._ops.OpOverloadPacket):
+        # (On a torch without OpOverloadPacket a packet gets the general message below.)
+        if isinstance(op, getattr(torch._ops, "OpOverloadPacket", ())):
             raise OpListError(
                 f"{expected} Please update the OpOverloadPacket to a specific OpOverload. {op} names a "
                 "family of overloads; name one overload, e.g. "
-                f"torch.ops.{op._qualified_op_name.replace('::', '.')}.default."
+                f"torch.ops.{op}.default."  # str(packet): "aten.mm", public (no _qualified_op_name)
             )
         if not isinstance(op, torch._ops.OpOverload):
             raise OpListError(f"{expected} The list must hold aten ops, e.g. torch.ops.aten.mm.default.")
@@ -471,8 +485,15 @@ def is_autocast_weight_cast(op: Any, args: Any, kwargs: Any) -> bool:
         and dtype != torch.float32
         and source.requires_grad
         and source.is_leaf
-        and not source._is_view()
+        and not _is_a_view(source)
     )
+
+
+def _is_a_view(tensor: torch.Tensor) -> bool:
+    try:
+        return tensor._is_view()
+    except AttributeError:  # a torch without Tensor._is_view: a view is a tensor with a base
+        return tensor._base is not None
 
 
 def _check_strict(cache: _Cache, index: int, entry: _Entry | None) -> None:

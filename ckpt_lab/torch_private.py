@@ -25,8 +25,12 @@ missing from.
 
 ``if_missing`` says what the package does on a torch without it: ``fallback`` (it works on,
 gradients exact, perhaps slower or with less to report), or ``error`` (the feature that needs it
-fails; the entry names the feature). Where ``today`` differs from the plan (the fallback or the
-clear error is not written yet), the entry says so: that is work to do, not a promise kept.
+fails with ``ckpt_lab.errors.missing_error``: which feature, which private name, which torch).
+tests/test_torch_private_fallbacks.py takes each name away and checks that it is so. The uses
+without which the package can't be imported at all are checked when it is imported
+(ckpt_lab/_torch_needed.py): such a torch gets that clear error, naming the first one it lacks,
+before anything else (``python -m ckpt_lab.torch_private`` too). Where a use's ``today``
+differs from ``if_missing``, the entry says so: that is work to do, not a promise kept (none does).
 """
 
 from __future__ import annotations
@@ -36,11 +40,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_lab.errors import CHECKED_ON, missing_error
+
 __all__ = ["CHECKED_ON", "PRIVATE_API", "PrivateUse", "missing", "missing_error", "optional", "resolve"]
 
 # The releases this list was checked on (tests/test_torch_private.py passed under each; the README's
-# "Torch versions" says how the rest of the suite fared).
-CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
+# "Torch versions" says how the rest of the suite fared): CHECKED_ON, and missing_error, live in
+# ckpt_lab/errors.py, which every stage module imports already (a copied stage carries them).
 
 
 @dataclass(frozen=True)
@@ -52,11 +58,14 @@ class PrivateUse:
     where: str  # module: function, as of this writing (the test matches names, not places)
     why: str
     if_missing: str  # "fallback: ..." or "error: ..."
-    today: str = ""  # where the code does not do ``if_missing`` yet: what it does instead
+    today: str = ""  # where the code does not do ``if_missing`` (yet): what it does instead
     absent_on: tuple[str, ...] = ()
 
 
-_IMPORT_ERROR = "an ImportError or AttributeError when ckpt_lab is imported"
+# What a use whose absence the package cannot get past says: checked when ckpt_lab is imported
+# (ckpt_lab/_torch_needed.py, which lists these uses again), so that such a torch gets missing_error
+# naming the name and the version, not an ImportError from somewhere inside.
+_AT_IMPORT = "error: ckpt_lab cannot be imported (importing it names this and torch's version)"
 
 PRIVATE_API: tuple[PrivateUse, ...] = (
     # ------------------------------------------------------------------ dispatch modes
@@ -65,8 +74,7 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
         "scope, nonreentrant (debug log), selective, planner, explain, instruments (memory, counting, flops)",
         "the base class of every dispatch mode: how the scope records and replays aten ops, and how "
         "the instruments see every storage born",
-        "error: no ckpt_lab at all; there is no public alias (torch's own docs import it from here)",
-        today=_IMPORT_ERROR,
+        _AT_IMPORT + "; there is no public alias (torch's own docs import it from here)",
     ),
     PrivateUse(
         "torch.utils._python_dispatch.TorchDispatchMode._should_skip_dynamo",
@@ -79,109 +87,104 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
         "torch.utils._python_dispatch._disable_current_modes",
         "batchnorm: skip_stats_update_in_recompute",
         "makes the scratch copies of the running statistics out of sight of a checkpoint's mode",
-        "error: batchnorm.skip_stats_update_in_recompute is unavailable (ImportError naming it)",
-        today=_IMPORT_ERROR + " (batchnorm is imported by itself, not by ckpt_lab/__init__)",
+        "error: skip_stats_update_in_recompute raises when called, naming it and torch's version",
     ),
     PrivateUse(
         "torch.utils._python_dispatch._pop_mode",
-        "exercises._feedback: undo what a learner's code left behind",
+        "exercises._feedback: restore_state",
         "pops the dispatch modes a learner's code left on the stack, so that grading goes on",
-        "fallback: report the leftover mode without popping it",
-        today=_IMPORT_ERROR + " (of ckpt_lab.exercises)",
+        "fallback: the grader reports the leftover modes (how many, torch's version) without popping them",
     ),
     # ------------------------------------------------------------------ autograd engine
     PrivateUse(
         "torch._C._current_graph_task_id",
-        "scope (entry point, safe points, replay), nonreentrant (_graph_task_id), batchnorm (in_backward), "
-        "explain (unpack), distributed (hook tracing)",
+        "scope (entry point, safe points, replay), scope_core, nonreentrant (_graph_task_id), batchnorm "
+        "(in_backward), explain (unpack), distributed (hook tracing)",
         "whether this code runs inside backward (-1 outside): a scope does nothing there, and a "
         "recomputation is told apart from a forward",
-        "error: no public equivalent; a clear error naming torch's version when ckpt_lab is imported",
-        today=_IMPORT_ERROR + " (at the first call in nonreentrant, batchnorm, explain, distributed)",
+        _AT_IMPORT + "; no public equivalent (a copied nonreentrant.py raises at import, a copied "
+        "scope.py when a scope opens, a copied scope_core.py at import)",
     ),
     PrivateUse(
         "torch.autograd.Variable._execution_engine.queue_callback",
-        "scope: _ResidentHooks.release_if_idle",
+        "scope: _ResidentHooks.release_if_idle; scope_core: _Hooks.release_if_idle",
         "removes the scope's resident hooks once the backward that freed its last tensor is over",
         "fallback: the hooks go at the next safe point instead (memory of one stack entry; gradients "
-        "unaffected)",
-        today="RuntimeError is caught, AttributeError is not: inside backward, an AttributeError",
+        "unaffected); scope_core, which has no fallbacks, lets torch's AttributeError be printed (Python "
+        "ignores it in the weakref callback that meets it) and the hooks go at the next scope",
     ),
     PrivateUse(
         "torch._C._current_autograd_node",
         "explain.regions: _backward_context",
         "names the autograd node that runs a backward op",
         "fallback: leave the node's name empty",
-        today="AttributeError in explain",
     ),
     PrivateUse(
         "torch.autograd._is_checkpoint_valid",
-        "reentrant: CheckpointFunction.backward",
+        "reentrant: _is_checkpoint_valid (CheckpointFunction.backward)",
         "refuses torch.autograd.grad() and backward(inputs=...), where the nested backward would "
         "write .grad (torch's reentrant checkpoint asks the same)",
-        "error: reentrant_checkpoint's backward raises, naming torch's version (skipping the check "
-        "could write .grad where autograd.grad must not)",
-        today="AttributeError in backward",
+        "error: reentrant_checkpoint's backward raises, naming it and torch's version (skipping the "
+        "check could write .grad where autograd.grad must not)",
     ),
     # ------------------------------------------------------------------ saved-tensor hooks stack
     PrivateUse(
         "torch._C._autograd._push_saved_tensors_default_hooks",
-        "scope (_restack, _inside_a_checkpoint), explain (_hooks_stack)",
+        "scope (_restack, _inside_a_checkpoint), scope_core, explain (_hooks_stack)",
         "puts the scope's resident pack hook below others, and puts back what was popped to look",
-        "error: gradient_checkpoint_scope and explain are unavailable",
-        today=_IMPORT_ERROR,
+        "error: gradient_checkpoint_scope refuses to open, naming it and torch's version (scope_core: "
+        "at import); fallback for explain: the hooks stack reads as empty (hooks-based regions unseen)",
     ),
     PrivateUse(
         "torch._C._autograd._pop_saved_tensors_default_hooks",
-        "scope (_restack, _inside_a_checkpoint), explain (_hooks_stack)",
+        "scope (_restack, _inside_a_checkpoint), scope_core, explain (_hooks_stack), "
+        "exercises._feedback (restore_state)",
         "reads the hooks stack below its top (torch shows only the top)",
-        "error: gradient_checkpoint_scope and explain are unavailable",
-        today=_IMPORT_ERROR,
+        "error: as for _push_saved_tensors_default_hooks; fallback for explain: as there; for the "
+        "grader: leftover hooks are reported, not popped",
     ),
     PrivateUse(
         "torch._C._autograd._top_saved_tensors_default_hooks",
-        "scope (_top), explain (_hooks_stack), instruments.state (global_state)",
+        "nonreentrant (user_saved_tensors_hooks), scope (_top), scope_core, explain (_hooks_stack), "
+        "instruments.state (global_state), exercises._feedback",
         "the innermost saved-tensor hooks on this thread",
-        "error: scope and explain unavailable; fallback for instruments.state: report the stack as unknown",
-        today=_IMPORT_ERROR,
+        _AT_IMPORT + " (the non-reentrant checkpoint finds the user's hooks with it); for a copied "
+        "scope.py: it refuses to open; fallback for explain and instruments.state: the stack as empty, "
+        "its state as unknown",
     ),
     PrivateUse(
         "torch._C._autograd._saved_tensors_hooks_is_enabled",
         "scope (safe points, _inside_a_checkpoint), explain (_hooks_stack)",
         "whether pushing hooks is allowed here (torch.autograd.graph.disable_saved_tensors_hooks)",
-        "error: gradient_checkpoint_scope and explain are unavailable",
-        today=_IMPORT_ERROR,
+        "error: as for _push_saved_tensors_default_hooks; fallback for explain: as there",
     ),
     # ------------------------------------------------------------------ the scope's replay
     PrivateUse(
         "torch._C._AutoDispatchBelowAutograd",
         "scope: _Recording.replay",
         "replays the tape below autograd, as it was recorded: the replay builds no graph",
-        "error: gradient_checkpoint_scope refuses to open, naming torch's version (a replay above "
-        "autograd would build a graph backward never uses)",
-        today="AttributeError inside backward, at the first replay",
+        "error: gradient_checkpoint_scope refuses to open, naming it and torch's version (a replay "
+        "above autograd would build a graph backward never uses)",
     ),
     PrivateUse(
         "torch._C._set_grad_enabled",
         "scope: _Recording.replay",
         "switches grad mode between replayed ops without a context manager (speed)",
         "fallback: torch.set_grad_enabled(mode) called as a function does the same",
-        today="AttributeError inside backward, at the first replay",
     ),
     PrivateUse(
         "torch.utils.checkpoint._checkpoint_hook",
-        "scope: _pack_hook_codes (the code object of pack_hook among __init__'s constants)",
+        "scope: _pack_hook_codes, _marks_its_pack_hooks",
         "recognises torch's non-reentrant checkpoint around a scope: NOTE [ A scope inside a checkpoint ]",
-        "error: gradient_checkpoint_scope refuses to open while it cannot recognise torch's pack hooks "
-        "(else a scope inside torch's checkpoint would give wrong gradients)",
-        today="nothing is recognised, silently (tests/test_scope.py checks that both hooks are found)",
+        "fallback: torch 2.14's mark on its pack hooks (_checkpoint_internal) recognises them; error "
+        "where neither works: the scope refuses to open under a pack hook it does not know, naming this "
+        "and torch's version (else a scope inside torch's checkpoint would give wrong gradients)",
     ),
     PrivateUse(
         "torch.utils.checkpoint._recomputation_hook",
-        "scope: _pack_hook_codes",
+        "scope: _pack_hook_codes, _marks_its_pack_hooks",
         "the same, for the pack hook of torch's recomputation",
-        "error: as for _checkpoint_hook",
-        today="nothing is recognised, silently (tests/test_scope.py checks that both hooks are found)",
+        "fallback: as for _checkpoint_hook (and its error where the fallback fails too)",
     ),
     # ------------------------------------------------------------------ checkpoints
     PrivateUse(
@@ -190,93 +193,80 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
         "finds the torch.device block around the forward, to re-enter it in the recomputation",
         "fallback: no device block is re-entered; a factory call without a device then makes the "
         "re-run differ, which the determinism check reports (torch's checkpoint does the same)",
-        today="ImportError at the first checkpoint",
     ),
     PrivateUse(
         "torch.utils._device.DeviceContext",
         "nonreentrant: _device_context",
-        "the mode a torch.device block pushes",
+        "the mode a torch.device block pushes (a fresh one, on the forward's device, for the re-run)",
         "fallback: as for _get_current_function_mode_stack",
-        today="ImportError at the first checkpoint",
     ),
     PrivateUse(
         "torch.utils._pytree.tree_flatten",
         "_aten (tensors_in), nonreentrant, selective",
         "walks nested arguments and outputs",
-        "error: no public module has it (there is no torch.utils.pytree in 2.13); ckpt_lab cannot be "
-        "imported",
-        today=_IMPORT_ERROR,
+        _AT_IMPORT + "; no public module has it (there is no torch.utils.pytree in 2.13)",
     ),
     PrivateUse(
         "torch.utils._pytree.tree_unflatten",
         "nonreentrant, selective",
         "rebuilds nested outputs",
-        "error: as for tree_flatten",
-        today=_IMPORT_ERROR,
+        _AT_IMPORT,
     ),
     PrivateUse(
         "torch.utils._pytree.tree_leaves",
-        "rng: tensor_devices",
-        "the devices of nested arguments",
-        "error: as for tree_flatten",
-        today=_IMPORT_ERROR,
+        "rng: tensor_devices; scope_core: the replay",
+        "the devices of nested arguments; the tensors an op returned",
+        _AT_IMPORT,
     ),
     PrivateUse(
         "torch.utils._pytree.tree_map_only",
         "scope_core: the tape's arguments",
         "replaces the tensors of nested op arguments by their slots, and back",
-        "error: as for tree_flatten",
-        today=_IMPORT_ERROR,
+        _AT_IMPORT,
     ),
     PrivateUse(
         "torch._C._SetExcludeDispatchKeyGuard",
-        "selective: _alias",
+        "selective: _alias (checked by _check_torch)",
         "a detached alias that shares the output's version counter (as torch's _detach_helper)",
-        "error: selective_checkpoint is unavailable, naming torch's version (without it an in-place "
-        "change of a cached output would go unseen)",
-        today=_IMPORT_ERROR + " (at the first selective checkpoint)",
+        "error: selective_checkpoint refuses to start, naming it and torch's version (without it an "
+        "in-place change of a cached output would go unseen)",
     ),
     PrivateUse(
         "torch._C.DispatchKey.ADInplaceOrView",
-        "selective: _alias",
+        "selective: _alias (checked by _check_torch)",
         "the dispatch key _SetExcludeDispatchKeyGuard re-enables",
         "error: as for _SetExcludeDispatchKeyGuard",
-        today="AttributeError at the first selective checkpoint",
     ),
     PrivateUse(
         "torch._ops.OpOverload",
         "_aten (is_view), selective (policies), compiled (graph costs)",
         "the type of one aten overload: policies and op tables are keyed by it",
-        "error: no public alias; ckpt_lab cannot be imported",
-        today=_IMPORT_ERROR,
+        _AT_IMPORT + "; no public alias",
     ),
     PrivateUse(
         "torch._ops.OpOverloadPacket",
         "selective: _checked_ops",
         "tells an overload packet (torch.ops.aten.mm) from an overload in a policy's op list",
-        "error: as for OpOverload",
-        today="AttributeError when an op list is checked",
+        "fallback: a packet in an op list is refused with the general message (the list must hold "
+        "aten op overloads)",
     ),
     PrivateUse(
         "torch._ops.HigherOrderOperator",
         "compiled: _has_higher_order_ops",
         "finds graphs the instruments cannot measure",
-        "error: ckpt_lab.compiled's measurements are unavailable",
-        today="AttributeError in ckpt_lab.compiled",
+        "error: ckpt_lab.compiled's measurements raise, naming it and torch's version",
     ),
     PrivateUse(
         "torch.ops.aten._to_copy.default",
         "selective (is_autocast_weight_cast), explain.zoo",
         "the aten op behind .to(dtype): autocast's weight casts",
-        "error: an ATen op; torch's own SAC policies name it too",
-        today="AttributeError at import of selective",
+        _AT_IMPORT + "; an ATen op, which torch's own SAC policies name too",
     ),
     PrivateUse(
         "torch.utils.checkpoint._CachingTorchDispatchMode",
         "explain: _SELECTIVE_FORWARD",
         "recognises torch's selective checkpoint's forward frames",
         "fallback: torch's selective regions are shown as plain non-reentrant checkpoints",
-        today=_IMPORT_ERROR,
     ),
     # ------------------------------------------------------------------ planner, batchnorm, state
     PrivateUse(
@@ -285,170 +275,134 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
         "puts back the version counters the profiling run's in-place writes moved",
         "fallback: counters stay moved: a graph built before profiling that saved such a tensor "
         "raises torch's in-place error in backward (loud, never wrong)",
-        today="AttributeError when profiling a function that writes in place to an outside tensor",
     ),
     PrivateUse(
         "torch.nn.modules.batchnorm._BatchNorm",
         "batchnorm: skip_stats_update_in_recompute",
         "finds every BatchNorm (1d/2d/3d, lazy, sync) in a model",
         "fallback: the public classes (BatchNorm1d/2d/3d, LazyBatchNorm1d/2d/3d, SyncBatchNorm)",
-        today=_IMPORT_ERROR + " (of batchnorm)",
     ),
     PrivateUse(
         "torch._C._len_torch_dispatch_stack",
         "instruments.state: global_state",
         "how many dispatch modes are on (the test that nothing was left behind)",
         "fallback: report the count as unknown",
-        today="AttributeError in global_state",
     ),
     # ------------------------------------------------------------------ Dynamo and the compiler
     PrivateUse(
-        "torch._dynamo.eval_frame.set_code_exec_strategy",
-        "scope: _skip_dynamo",
+        "torch._C._dynamo.eval_frame.set_code_exec_strategy",
+        "scope: _RecordingMode._should_skip_dynamo, _skip_dynamo",
         "marks the recording mode's code for Dynamo to skip, once, in C: NOTE [ Speed ] (j)",
-        "fallback: keep torch's torch._dynamo.disable wrapper (_should_skip_dynamo returning True)",
-        today="returns without marking, and the wrapper is already gone: Dynamo may trace the mode",
+        "fallback: torch keeps its torch._dynamo.disable wrapper (_should_skip_dynamo returns True)",
     ),
     PrivateUse(
-        "torch._dynamo.types.FrameAction",
-        "scope: _skip_dynamo",
+        "torch._C._dynamo.eval_frame._FrameAction",
+        "scope: _RecordingMode._should_skip_dynamo, _skip_dynamo",
         "argument of set_code_exec_strategy",
         "fallback: as for set_code_exec_strategy",
-        today="as for set_code_exec_strategy",
     ),
     PrivateUse(
-        "torch._dynamo.types.FrameAction.SKIP",
-        "scope: _skip_dynamo",
+        "torch._C._dynamo.eval_frame._FrameAction.SKIP",
+        "scope: _RecordingMode._should_skip_dynamo, _skip_dynamo",
         "skip this frame and the frames it calls",
         "fallback: as for set_code_exec_strategy",
-        today="as for set_code_exec_strategy",
     ),
     PrivateUse(
-        "torch._dynamo.types.FrameExecStrategy",
-        "scope: _skip_dynamo",
+        "torch._C._dynamo.eval_frame._FrameExecStrategy",
+        "scope: _RecordingMode._should_skip_dynamo, _skip_dynamo",
         "argument of set_code_exec_strategy",
         "fallback: as for set_code_exec_strategy",
-        today="as for set_code_exec_strategy",
     ),
     PrivateUse(
         "torch._dynamo",
-        "helpers.processes: _context (forkserver preload, by name)",
-        "imported once in the forkserver, not in every worker",
-        "fallback: the forkserver ignores a preload module it cannot import",
-    ),
-    PrivateUse(
-        "torch._dynamo.reset",
-        "compiled",
-        "forgets compiled code between budgets",
-        "fallback: torch.compiler.reset() is the public name",
-        today="AttributeError in ckpt_lab.compiled",
+        "helpers.processes: _context (forkserver preload, by name); scope: _skip_dynamo",
+        "imported once in the forkserver, not in every worker; imported on the scope's first use, as "
+        "torch's wrapper would",
+        "fallback: the forkserver ignores a preload module it cannot import; a torch without Dynamo "
+        "has nothing to mark",
     ),
     PrivateUse(
         "torch._dynamo.explain",
-        "compiled: graph breaks",
+        "compiled: graph_breaks",
         "counts Dynamo's graph breaks",
-        "error: ckpt_lab.compiled's graph-break report is unavailable",
-        today="AttributeError in ckpt_lab.compiled",
+        "error: ckpt_lab.compiled's graph-break report raises, naming it and torch's version",
     ),
     PrivateUse(
         "torch._dynamo.backends.common.aot_autograd",
         "compiled: _recording_backend",
         "builds a backend that keeps the forward and backward graphs",
-        "error: ckpt_lab.compiled's measurements are unavailable",
-        today="ImportError in ckpt_lab.compiled",
+        "error: ckpt_lab.compiled's measurements raise, naming it and torch's version",
     ),
     PrivateUse(
         "torch._dynamo.backends.debugging.boxed_nop",
         "compiled: _recording_backend",
         "runs the graphs eagerly (aot_eager)",
         "error: as for aot_autograd",
-        today="ImportError in ckpt_lab.compiled",
     ),
     PrivateUse(
         "torch._functorch.config.patch",
-        "compiled (compile_step, compiled_points)",
+        "compiled: _memory_budget (compile_step, compiled_points)",
         "sets the partitioner's activation memory budget for one compilation",
-        "error: ckpt_lab.compiled's budgets are unavailable",
-        today="AttributeError in ckpt_lab.compiled",
+        "error: as for activation_memory_budget",
     ),
     PrivateUse(
         "torch._functorch.config.activation_memory_budget",
-        "compiled (compile_step, compiled_points)",
+        "compiled: _memory_budget (compile_step, compiled_points)",
         "the budget itself (notebook 08)",
-        "error: as for torch._functorch.config.patch",
-        today="AttributeError in ckpt_lab.compiled",
+        "error: ckpt_lab.compiled's budgets raise, naming it and torch's version",
     ),
     PrivateUse(
         "torch._inductor.compile_fx.select_decomp_table",
         "compiled: _recording_backend",
         "the decompositions torch.compile's inductor backend uses",
-        "error: as for aot_autograd",
-        today="ImportError in ckpt_lab.compiled",
+        "error: as for aot_autograd (when the first graph compiles)",
     ),
     PrivateUse(
         "_boxed_call",
         "compiled: _run_inside (set on our compiled function)",
         "tells aot_autograd that the function takes its arguments as one list",
-        "error: the compiled graphs would be called wrongly: ckpt_lab.compiled is then unavailable",
-        today="a TypeError when the graph runs",
+        "fallback: were torch to stop reading it, the graph's inputs come one by one, and run() "
+        "gathers them into the list the compiled graph takes",
     ),
     # ------------------------------------------------------------------ distributed
     PrivateUse(
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
         "distributed",
         "torch's FSDP recipe for checkpointing a submodule (notebook 06 compares with it)",
-        "error: ckpt_lab.distributed cannot be imported (it is not imported by ckpt_lab/__init__)",
-        today=_IMPORT_ERROR + " (of distributed)",
+        "error: importing ckpt_lab.distributed raises, naming it and torch's version (it is not "
+        "imported by ckpt_lab/__init__)",
     ),
     PrivateUse(
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing",
         "distributed",
         "the same recipe over a whole model",
         "error: as for checkpoint_wrapper",
-        today=_IMPORT_ERROR + " (of distributed)",
     ),
     # ------------------------------------------------------------------ attributes of objects
     PrivateUse(
         "torch.Tensor()._base",
-        "scope (_scope_ref), offload (_keeps_its_own_storage), instruments.saved",
+        "scope (_scope_ref), scope_core, offload (_keeps_its_own_storage), instruments.saved, selective "
+        "(_is_a_view's fallback)",
         "the tensor a view was made from",
-        "error: no public equivalent",
-        today="AttributeError where it is read",
+        _AT_IMPORT + "; no public equivalent",
     ),
     PrivateUse(
         "torch.Tensor()._version",
-        "scope (in-place checks), selective (_Entry.modified), planner (profiling)",
+        "scope (in-place checks), scope_core, selective (_Entry.modified), planner (profiling)",
         "the version counter autograd's own in-place check reads",
-        "error: no public equivalent",
-        today="AttributeError where it is read",
+        _AT_IMPORT + "; no public equivalent",
     ),
     PrivateUse(
         "torch.Tensor()._is_view",
-        "selective: is_autocast_weight_cast",
+        "selective: _is_a_view (is_autocast_weight_cast)",
         "whether a tensor is a view",
         "fallback: tensor._base is not None",
-        today="AttributeError at the first autocast weight cast",
-    ),
-    PrivateUse(
-        "torch.nn.Module()._modules",
-        "explain: _unnamed_path",
-        "the child modules by attribute name",
-        "fallback: module.named_children()",
-        today="AttributeError in explain",
     ),
     PrivateUse(
         "torch._ops.OpOverload()._schema",
         "_aten (op_info, is_view), selective (must_rerun), explain",
         "an op's schema: which arguments it writes, which outputs alias",
-        "error: no public equivalent; torch's own SAC reads it",
-        today="AttributeError",
-    ),
-    PrivateUse(
-        "torch._ops.OpOverloadPacket()._qualified_op_name",
-        "selective: _checked_ops (an error message)",
-        "names the overload packet in the message",
-        "fallback: str(op)",
-        today="AttributeError while building the error message",
+        _AT_IMPORT + "; no public equivalent (torch's own SAC reads it)",
     ),
 )
 
@@ -507,18 +461,6 @@ def optional(path: str) -> Any:
         return resolve(path)
     except (ImportError, AttributeError):
         return None
-
-
-def missing_error(path: str, feature: str) -> RuntimeError:
-    """The error for a use whose entry says ``error``: which feature, which private name, which torch
-    (``raise missing_error("torch._C._AutoDispatchBelowAutograd", "gradient_checkpoint_scope")``)."""
-    import torch
-
-    return RuntimeError(
-        f"{feature} needs torch's private {path}, which torch {torch.__version__} lacks. ckpt_lab was "
-        f"checked on torch {', '.join(CHECKED_ON)}: use one of those, or see NOTE [ Private torch API ] "
-        "in ckpt_lab/torch_private.py for what each private name is for."
-    )
 
 
 def missing() -> list[PrivateUse]:

@@ -11,7 +11,9 @@ nbval's ``notebooks/conftest.py`` last, so ``from conftest import`` in a test wo
 * equality: ``assert_all_equal`` (bitwise, position by position, says where and by how much);
 * gradients: ``leaves``, ``grads``, ``output_and_grads``, ``saved_by``;
 * ``sin_chain``; random op chains for the property tests: ``CHAIN_OPS``, ``run_chain``, ``chain``;
-* ``cuda``: the mark that skips a test without a CUDA device.
+* ``cuda``: the mark that skips a test without a CUDA device; ``TORCH``: the running torch's
+  (major, minor), and ``SAC_ASKS_IN_RECOMPUTE``, for tests that compare with a behaviour of torch's
+  that changed between releases (ours is checked alike on each; torch's as it is on each).
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ from ckpt_lab.nonreentrant import checkpoint
 from ckpt_lab.reentrant import reentrant_checkpoint
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+# torch's selective checkpointing before 2.13 (checked on 2.11; 2.12 was not): the policy is asked
+# again in the recomputation (``ctx.is_recompute=True``), each op's cache is served first in, first
+# out, and ``ctx`` has no ``op_output``. 2.13 and 2.14 ask in the forward only and serve by position.
+SAC_ASKS_IN_RECOMPUTE = TORCH < (2, 13)
 
 
 # ----------------------------------------------------------------------------------- the checkpoints

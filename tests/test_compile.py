@@ -15,6 +15,7 @@ from ckpt_lab.compiled import compile_step, graph_breaks
 from ckpt_lab.offload import offload_to_cpu
 from ckpt_lab.planner import plan
 from ckpt_lab.strategies import REGISTRY
+from oracle import TORCH
 
 
 def _offload(block, x):
@@ -133,6 +134,18 @@ def _planned_stack(blocks, p):
     return run
 
 
+# torch before 2.13 (2.11 checked) says torch.compiler.is_compiling() is False while it traces a
+# checkpoint's context_fn (2.13 sets it for the whole compile session): Plan.torch_context_fn then hands
+# the compiler the eager plan, matched by position, which refuses the traced op sequence ("plan: op 4 is
+# aten.lift_fresh.default ..."), loudly; and torch 2.11's checkpoint, raised through, leaves its modes on
+# the stack for every test after it. So these two run from 2.13 on.
+needs_compile_flag_in_context_fn = pytest.mark.skipif(
+    TORCH < (2, 13),
+    reason="torch < 2.13: torch.compiler.is_compiling() is False inside context_fn under compile",
+)
+
+
+@needs_compile_flag_in_context_fn
 def test_a_plan_with_dropout_steers_the_compiler():
     # Traced, dropout is one native_dropout instead of eager's four ops: the plan is matched by op
     # and occurrence (NOTE [ A plan under torch.compile ] in planner.py), not by position.
@@ -160,6 +173,7 @@ def test_a_plan_with_dropout_steers_the_compiler():
     assert step.recomputed.count("addmm") == len(blocks) - p.saved_ops.count("addmm")
 
 
+@needs_compile_flag_in_context_fn
 def test_a_plan_for_another_computation_is_refused_under_compile():
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(16, 16), nn.GELU())

@@ -24,7 +24,7 @@ from ckpt_lab import planner
 from ckpt_lab.batchnorm import skip_stats_update_in_recompute
 from ckpt_lab.instruments.state import assert_no_global_state
 from ckpt_lab.selective import RECOMPUTE, PolicyError, selective_checkpoint
-from oracle import assert_all_equal, plain, torch_nonreentrant
+from oracle import SAC_ASKS_IN_RECOMPUTE, assert_all_equal, plain, torch_nonreentrant
 
 aten = torch.ops.aten
 MATMULS = [aten.mm.default, aten.addmm.default]
@@ -112,9 +112,10 @@ def test_selective_under_autocast_equals_plain(policy: str, case: str) -> None:
     assert_all_equal(step(selective_checkpoint, POLICIES[policy]), ref)
     if policy not in TORCH_SAC_WORKS:
         return
-    if case == "weight cast before":
+    if case == "weight cast before" and not SAC_ASKS_IN_RECOMPUTE:
         # torch 2.13's SAC counts every op's calls and finds one more weight cast in the
-        # recomputation (outside autocast, a cache miss) than in the forward (a cache hit).
+        # recomputation (outside autocast, a cache miss) than in the forward (a cache hit). (Before
+        # 2.13 its cache is per op, first in, first out, and the extra cast is simply run.)
         with pytest.raises(
             RuntimeError, match=r"_to_copy\.default invocation index \d+ .* not found in storage"
         ):

@@ -9,6 +9,7 @@ from ckpt_lab.instruments.counting import CallCounter, OpCounter, count_flops
 from ckpt_lab.instruments.memory import LiveMemory, measure_memory
 from ckpt_lab.instruments.saved import SavedTensorLog
 from ckpt_lab.instruments.state import assert_no_global_state
+from oracle import TORCH
 
 N = 1000
 S = 4 * N  # bytes of one float32 tensor of N elements
@@ -126,8 +127,10 @@ def test_saved_tensor_log_is_blind_inside_a_non_reentrant_checkpoint():
     with SavedTensorLog() as log:
         torch.utils.checkpoint.checkpoint(six_sins, x, use_reentrant=False)
     # Only the innermost hooks run: the checkpoint's own hooks see the six saves inside, ours none of
-    # them. We see one save: the checkpoint itself stores its input x with save_for_backward.
-    assert log.count == 1
+    # them. We see one save: the checkpoint itself stores its input x with save_for_backward. (torch
+    # before 2.13 stores it through an autograd Function that saves an empty placeholder too: two
+    # saves, the same bytes.)
+    assert log.count == (2 if TORCH < (2, 13) else 1)
     assert log.activation_bytes == S
 
 

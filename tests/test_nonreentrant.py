@@ -19,6 +19,7 @@ from ckpt_lab.instruments.memory import LiveMemory, measure_memory
 from ckpt_lab.nonreentrant import CheckpointError, checkpoint
 from oracle import (
     NON_REENTRANT,
+    TORCH,
     assert_all_equal,
     cuda,
     plain,
@@ -608,3 +609,27 @@ def test_containers_are_rebuilt_for_the_recomputation() -> None:
     assert torch_seen == [0, 1]  # torch passed the caller's list again, which had changed
     plain = torch.autograd.grad(x.sin().sum() * 1, x)[0]
     assert torch.equal(ours, plain)  # ours recomputes what the forward computed
+
+
+def _default_device_after(ck: Callable[..., Any]) -> Any:
+    """torch.set_default_device("cpu"), a checkpointed forward and backward, set_default_device(None):
+    what ``torch.utils._device.CURRENT_DEVICE`` is left at (None: put back)."""
+    x = torch.randn(3, requires_grad=True)
+    torch.set_default_device("cpu")
+    try:
+        ck(lambda t: (t.sin() * torch.ones(3)).cos(), x).sum().backward()
+    finally:
+        torch.set_default_device(None)
+    return torch.utils._device.CURRENT_DEVICE
+
+
+def test_the_default_device_is_put_back_after_the_recomputation(monkeypatch) -> None:
+    # The re-run re-enters the caller's torch.device block as a fresh context on that device: entering
+    # the forward's own DeviceContext again overwrote what its exit puts back, and the default device
+    # outlived set_default_device(None). torch's checkpoint did the same until 2.14, which fixed it.
+    monkeypatch.setattr(torch.utils._device, "CURRENT_DEVICE", None)  # put back after the test
+    assert _default_device_after(checkpoint) is None
+    torch.utils._device.CURRENT_DEVICE = None
+    leaked = _default_device_after(torch_nonreentrant)
+    assert leaked == (None if TORCH >= (2, 14) else torch.device("cpu"))  # torch's, as it is
+    assert torch._C._len_torch_function_stack() == 0

@@ -62,7 +62,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import ckpt_lab
 from ckpt_lab import selective
-from oracle import cuda
+from oracle import SAC_ASKS_IN_RECOMPUTE, cuda
 
 
 # ------------------------------------------------------------------------------------ the redirect
@@ -1018,8 +1018,10 @@ def test_policy_with_state(ckpt) -> None:
         lambda x: x.sin().sin().sin(), x, use_reentrant=False, context_fn=context_fn
     ).sum().backward()
     # torch 2.13 asks the policy in the forward only (is_recompute is always False); the test as
-    # written for older torch expected [1, 2, 3, 1, 2], the policy being asked in the re-run too.
-    assert counters == [1, 2, 3]
+    # written for older torch expected [1, 2, 3, 1, 2], the policy being asked in the re-run too, and
+    # so does torch before 2.13 (2.11 checked). Ours asks in the forward only, on every torch.
+    older = ckpt is IMPLEMENTATIONS["torch"] and SAC_ASKS_IN_RECOMPUTE
+    assert counters == ([1, 2, 3, 1, 2] if older else [1, 2, 3])
 
 
 # TestSelectiveActivationCheckpoint.test_version_counter
@@ -1052,7 +1054,8 @@ def test_function_with_more_than_one_output(ckpt) -> None:
     x = torch.randn(3, requires_grad=True)
     out = ckpt.checkpoint(fn, x, use_reentrant=False, context_fn=_sac(ckpt, policy))
     assert_close(torch.autograd.grad(out.sum(), (x,)), torch.autograd.grad(fn(x).sum(), (x,)))
-    assert counter[0] == 1  # 2 in the test as written for older torch, which asked in the re-run too
+    # 2 in the test as written for older torch, which asked in the re-run too (2.11 checked)
+    assert counter[0] == (2 if ckpt is IMPLEMENTATIONS["torch"] and SAC_ASKS_IN_RECOMPUTE else 1)
 
 
 # TestSelectiveActivationCheckpoint.test_function_with_non_tensor_output

@@ -118,6 +118,17 @@ class _Scan:
                 return str(root.args[0].value).split(".") + parts
             return None
 
+        # getattr(torch._C, "_set_grad_enabled", None), hasattr(...): the use is torch._C._set_grad_enabled
+        # (3. below), not torch._C itself.
+        looked_up_in = {
+            id(n.args[0])
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+            and getattr(n.func, "id", None) in ("getattr", "hasattr")
+            and len(n.args) >= 2
+            and isinstance(n.args[1], ast.Constant)
+            and isinstance(n.args[1].value, str)
+        }
         for n in ast.walk(tree):
             # 1. attribute chains from torch: the longest one (torch._C._current_graph_task_id)
             if isinstance(n, ast.Attribute) and not (
@@ -130,7 +141,7 @@ class _Scan:
                         covered.add(node)
                         node = node.value
                     parts = _strip_dunders(parts)
-                    if any(map(_private, parts[1:])):
+                    if any(map(_private, parts[1:])) and id(n) not in looked_up_in:
                         self._add(".".join(parts), where)
             if isinstance(n, ast.Call):
                 func_path = torch_path(n.func) if isinstance(n.func, ast.Attribute) else None
@@ -139,15 +150,15 @@ class _Scan:
                     for kw in n.keywords:
                         if kw.arg:
                             self._add(".".join([*func_path[:-1], kw.arg]), where)
-                # 3. getattr(torch_module, "_name")
+                # 3. getattr(torch_module, "_name"), hasattr(torch_module, "_name")
                 if (
-                    getattr(n.func, "id", None) == "getattr"
+                    getattr(n.func, "id", None) in ("getattr", "hasattr")
                     and len(n.args) >= 2
                     and isinstance(n.args[1], ast.Constant)
                     and isinstance(n.args[1].value, str)
                 ):
                     base = torch_path(n.args[0]) if isinstance(n.args[0], (ast.Name, ast.Attribute)) else None
-                    if base and _private(n.args[1].value):
+                    if base and any(map(_private, [*base[1:], n.args[1].value])):
                         self._add(".".join([*base, n.args[1].value]), where)
             if isinstance(n, ast.Constant) and isinstance(n.value, str):
                 strings.append(n.value)
@@ -258,6 +269,31 @@ def test_every_entry_says_what_happens_without_it() -> None:
         assert use.where and use.why, use.path
 
 
+def test_the_code_does_what_every_entry_promises() -> None:
+    # ``today`` says where it does not (yet); tests/test_torch_private_fallbacks.py checks the promises.
+    assert [use.path for use in PRIVATE_API if use.today] == []
+
+
+def test_importing_ckpt_lab_names_what_it_cannot_be_imported_without(monkeypatch) -> None:
+    import torch.utils._pytree as pytree
+
+    from ckpt_lab import _torch_needed
+
+    needed = [use.path for use in PRIVATE_API if use.if_missing.startswith(torch_private._AT_IMPORT)]
+    assert tuple(needed) == _torch_needed.NEEDED_AT_IMPORT  # the same uses, in the list's order
+    _torch_needed.check()  # this torch has them all
+    monkeypatch.delattr(pytree, "tree_map_only")
+    with pytest.raises(
+        RuntimeError, match=r"^ckpt_lab needs torch's private torch\.utils\._pytree\.tree_map_only,"
+    ):
+        _torch_needed.check()
+    monkeypatch.undo()
+    assert _torch_needed._present("torch.Tensor()._version") and not _torch_needed._present(
+        "torch.Tensor()._nope"
+    )
+    assert not _torch_needed._present("torch._no_such_module.x")
+
+
 # ------------------------------------------------------------------------------- the list is whole
 def test_every_private_name_the_package_uses_is_listed(scan: _Scan) -> None:
     unlisted = {path: sorted(where) for path, where in scan.found.items() if not _is_listed(path)}
@@ -298,8 +334,12 @@ def test_the_scan_flags_a_new_private_use(tmp_path: Path) -> None:
     source.write_text(
         "import sys\nimport torch\nfrom torch._C import _get_tracing_state\n"
         "def f(t):\n    sys._getframe(0)\n    self_made = t._grad_fn_secret\n"
+        "    getattr(torch._C, '_get_secret', None), hasattr(torch._C._x, 'public_name')\n"
         "    return torch._C._get_cudnn_enabled(), torch.autograd.graph.saved_tensors_hooks\n"
     )
     found = _Scan([source]).found
     assert {"torch._C._get_tracing_state", "torch._C._get_cudnn_enabled", "*()._grad_fn_secret"} <= set(found)
+    # getattr / hasattr: the name looked up, not the module it is looked up in
+    assert {"torch._C._get_secret", "torch._C._x.public_name"} <= set(found)
+    assert "torch._C" not in found and "torch._C._x" not in found
     assert not any("getframe" in p or "saved_tensors_hooks" in p for p in found)

@@ -14,6 +14,7 @@ from ckpt_lab import CheckpointError, checkpoint, measure_memory
 from ckpt_lab.explain import explain, zoo
 from ckpt_lab.explain.__main__ import main
 from ckpt_lab.instruments.state import assert_no_global_state
+from oracle import SAC_ASKS_IN_RECOMPUTE
 
 matplotlib.use("Agg")
 
@@ -107,7 +108,10 @@ def test_autocast_cast_cache_ours_exact_torch_sac_raises_reentrant_rounds() -> N
                  "ckpt_lab.selective_checkpoint (same policy)"]:
         assert _max_diff(zoo.autocast_step(name), reference) == 0, name
     error = zoo.autocast_step("torch SAC (saves matmuls and casts)")
-    assert isinstance(error, str) and "not found in storage" in error
+    # torch before 2.13 (2.11 checked) serves each op's cache first in, first out: the extra cast in
+    # the recomputation empties it ("backward an extra time"); 2.13 counts positions ("not found").
+    assert isinstance(error, str)
+    assert ("backward an extra time" if SAC_ASKS_IN_RECOMPUTE else "not found in storage") in error
     for name in ["torch, use_reentrant=True", "ckpt_lab.reentrant_checkpoint"]:
         grads = zoo.autocast_step(name)
         # Only the first Linear's weight and bias (used twice) differ, by bfloat16 rounding.
@@ -118,6 +122,14 @@ def test_autocast_cast_cache_ours_exact_torch_sac_raises_reentrant_rounds() -> N
 # ---------------------------------------------------------------------------- 6. counter policy
 @pytest.mark.parametrize("implementation", ["ours", "torch"])
 def test_a_shared_counter_changes_what_each_block_keeps_but_not_the_gradients(implementation: str) -> None:
+    if implementation == "torch" and SAC_ASKS_IN_RECOMPUTE:
+        # torch before 2.13 (2.11 checked) asks the policy again in the recomputation, where the
+        # shared counter has moved on: other decisions than the forward's, and torch's backward
+        # refuses the recomputed tensors. Ours asks in the forward only, on every torch.
+        model, x, _ = zoo.counter_shared(implementation)
+        with pytest.raises(torch.utils.checkpoint.CheckpointError, match="different metadata"):
+            zoo.gradients(model, x)
+        return
     shared = [r.kept_bytes for r in _explain(zoo.counter_shared, implementation).regions]
     fresh = [r.kept_bytes for r in _explain(zoo.counter_fresh, implementation).regions]
     assert shared == [32768, 8192, 32768] and fresh == [32768] * 3

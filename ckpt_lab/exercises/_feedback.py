@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._C._autograd import _pop_saved_tensors_default_hooks, _top_saved_tensors_default_hooks
-from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode
+from torch._C._autograd import _top_saved_tensors_default_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ckpt_lab.instruments import LiveMemory, global_state
-from ckpt_lab.instruments.state import changes
+from ckpt_lab.instruments.state import UNKNOWN, changes
 
 if TYPE_CHECKING:
     from ckpt_lab.exercises._grading import Submission
@@ -257,14 +257,35 @@ def state_left_behind(before: dict[str, Any]) -> str | None:
     return "Left behind: " + "; ".join(said) + ". (The grader put it back before the next check.)"
 
 
-def restore_state(before: dict[str, Any]) -> None:
-    """Undo what a check left behind: pop hooks and dispatch modes it pushed, set grad mode back."""
-    if not before["saved_tensors_hooks_on_stack"]:
-        while _top_saved_tensors_default_hooks(False) is not None:
-            _pop_saved_tensors_default_hooks()
-    while torch._C._len_torch_dispatch_stack() > before["dispatch_modes"]:
-        _pop_mode()
+def restore_state(before: dict[str, Any]) -> str | None:
+    """Undo what a check left behind: pop hooks and dispatch modes it pushed, set grad mode back.
+    Returns what it could not undo, in plain words (None when everything was put back): it pops with
+    torch's private API (ckpt_lab/torch_private.py), and on a torch without a name it needs, what is
+    left is said, not popped."""
     torch.set_grad_enabled(before["grad_enabled"])
+    now, not_undone = global_state(), []
+    if before["saved_tensors_hooks_on_stack"] is False and now["saved_tensors_hooks_on_stack"] is True:
+        pop = getattr(torch._C._autograd, "_pop_saved_tensors_default_hooks", None)
+        if pop is None:
+            not_undone.append("saved-tensor hooks")
+        while pop is not None and _top_saved_tensors_default_hooks(False) is not None:
+            pop()
+    modes, left = before["dispatch_modes"], now["dispatch_modes"]
+    if UNKNOWN not in (modes, left) and left > modes:
+        try:
+            from torch.utils._python_dispatch import _pop_mode
+        except ImportError:
+            _pop_mode = None
+            not_undone.append(f"{left - modes} dispatch mode(s)")
+        for _ in range(left - modes if _pop_mode is not None else 0):
+            _pop_mode()
+    if not not_undone:
+        return None
+    return (
+        f"Except {' and '.join(not_undone)}, still active: the grader can't take them off on torch "
+        f"{torch.__version__} (it lacks the private name that would, see ckpt_lab/torch_private.py), "
+        "and every later check runs under them. Restart the kernel before checking again."
+    )
 
 
 @contextlib.contextmanager

@@ -315,7 +315,8 @@ def grade_file(exercise: Exercise, path: str | os.PathLike) -> Report:
             own_failure = message is not None
             left = state_left_behind(before)
             if left:
-                restore_state(before)
+                # What the grader could not undo (a torch without _pop_mode) is said, not hidden.
+                left = " ".join(filter(None, [left, restore_state(before)]))
                 # Said once: a check may have said it already (the scope's checks end by asking for it).
                 if "left behind" not in (message or "").lower():
                     message = "\n".join(filter(None, [message, left]))

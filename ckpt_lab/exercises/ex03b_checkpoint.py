@@ -255,7 +255,7 @@ def check_error_leaves_nothing(sub: Submission) -> None:
         )
     left = state_left_behind(before)
     if left:
-        restore_state(before)
+        left = " ".join(filter(None, [left, restore_state(before)]))
         raise AssertionError(
             "When the function raised inside your checkpoint, it left this behind.\n"
             + left.removeprefix("Left behind: ")

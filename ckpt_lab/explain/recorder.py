@@ -169,7 +169,7 @@ class _ModuleStack:
         else its class and the order of its first call among modules of that class ("Sequential.0"),
         which collapses to "Sequential.*" as layer indices do."""
         if parent is not None:
-            for name, child in parent[0]._modules.items():
+            for name, child in parent[0].named_children():
                 if child is module:
                     return f"{parent[1]}.{name}".lstrip(".")
         kind = type(module).__name__

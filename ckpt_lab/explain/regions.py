@@ -28,12 +28,6 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch._C._autograd import (
-    _pop_saved_tensors_default_hooks,
-    _push_saved_tensors_default_hooks,
-    _saved_tensors_hooks_is_enabled,
-    _top_saved_tensors_default_hooks,
-)
 
 from ckpt_lab import reentrant, selective
 from ckpt_lab import scope as scope_module
@@ -98,8 +92,10 @@ ENTRY_CODES: set[Any] = set()
 # Frames whose presence tells something about the op running below them. (unwrap: torch wraps
 # every mode's __torch_dispatch__ in a decorator that disables dynamo.)
 _SELECTIVE_FORWARD = {
-    inspect.unwrap(torch_checkpoint._CachingTorchDispatchMode.__torch_dispatch__).__code__,
-    inspect.unwrap(selective._SaveMode.__torch_dispatch__).__code__,
+    inspect.unwrap(mode.__torch_dispatch__).__code__
+    # torch's (private: on a torch without it, torch's selective regions show as plain checkpoints)
+    for mode in (getattr(torch_checkpoint, "_CachingTorchDispatchMode", None), selective._SaveMode)
+    if mode is not None
 }
 _REENTRANT_FORWARD = {
     torch_checkpoint.CheckpointFunction.forward.__code__: "torch.utils.checkpoint",
@@ -184,7 +180,7 @@ class _Regions:
             # The engine runs its nodes with grad off (no create_graph): an op with grad on is a re-run.
             unpacked = ("recompute", None)
         kind, region = unpacked or (None, None)
-        node = torch._C._current_autograd_node()
+        node = _current_autograd_node() if _current_autograd_node is not None else None
         return _Context((), module, line, None, kind, region, "" if node is None else node.name())
 
     def _unpacking(self, frame: Any) -> tuple[str | None, _Region | None] | None:
@@ -262,8 +258,25 @@ class _Regions:
 # torch shows only the top of the thread's saved-tensor hooks stack, so we pop every entry and push
 # them back, the same objects in the same order, as ckpt_lab.scope does. Only in forward: in
 # backward the engine restores the stack after every node anyway, and there we need no regions.
+# torch's private API (ckpt_lab/torch_private.py): on a torch without one of these names, the stack
+# reads as empty, and what hooks-based regions made shows as made outside any (never as another's).
+_pop_saved_tensors_default_hooks = getattr(torch._C._autograd, "_pop_saved_tensors_default_hooks", None)
+_push_saved_tensors_default_hooks = getattr(torch._C._autograd, "_push_saved_tensors_default_hooks", None)
+_saved_tensors_hooks_is_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+_top_saved_tensors_default_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+# The autograd node a backward op runs for (its name is shown; empty on a torch without it).
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", None)
+
+
 def _hooks_stack() -> list[tuple[Any, Any]]:
     """This thread's saved-tensor hooks, outermost first."""
+    if None in (
+        _pop_saved_tensors_default_hooks,
+        _push_saved_tensors_default_hooks,
+        _saved_tensors_hooks_is_enabled,
+        _top_saved_tensors_default_hooks,
+    ):
+        return []  # a torch without one of them (above)
     if not _saved_tensors_hooks_is_enabled():
         # Pushing would fail: the top is all we can see.
         top = _top_saved_tensors_default_hooks(True)
