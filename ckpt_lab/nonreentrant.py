@@ -746,14 +746,16 @@ _MACHINERY = {
 
 
 def _user_line() -> str:
-    """``file:line in function`` of the innermost frame of the user's code (not torch, not ours)."""
+    """``file:line in function`` of the innermost frame of the user's code (not torch, not ours); in a
+    notebook, ``line N of a notebook cell, in function``."""
     frame: Any = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith(_TORCH_DIR) and filename not in _MACHINERY:
             # A Jupyter cell's file is a temporary name (ipykernel_<pid>/<hash>.py): say what it is.
-            where = "a notebook cell" if "ipykernel_" in filename else os.path.basename(filename)
-            return f"{where}:{frame.f_lineno} in {frame.f_code.co_name}"
+            if "ipykernel_" in filename:
+                return f"line {frame.f_lineno} of a notebook cell, in {frame.f_code.co_name}"
+            return f"{os.path.basename(filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
 

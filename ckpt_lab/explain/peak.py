@@ -223,7 +223,8 @@ def _totals(rows: list[PeakRow]) -> dict[str, int]:
 _KEPT_FIXES = {
     "the output of a": "they are checkpoints' outputs, each kept as the next one's input: fewer, longer "
     "checkpoints keep fewer of them (and re-run more each)",
-    "kept by a": "a checkpoint's policy chose to keep them: a smaller budget keeps less",
+    "kept by a": "a checkpoint's policy chose to keep them, and a smaller budget keeps less; to budget "
+    "the peak itself, plan with ckpt_lab.peak_planner.plan_peak",
     "not inside any checkpoint": "checkpointing the blocks that make them keeps only the blocks' inputs",
     "the output, which the loss keeps": "the loss keeps the output for its backward: no checkpoint frees it",
 }

@@ -372,7 +372,8 @@ class LayerDrop(nn.Module):
 
 class RandomActivation(LayerDrop):
     """Tanh or sigmoid at random, inside the checkpoint: both save one tensor of the same shape, so
-    a recomputation that picks the other one passes the determinism check."""
+    a recomputation that picks the other one passes torch's determinism check (shapes, dtypes and
+    devices); ours compares the op that made each saved tensor and raises."""
 
     def _maybe(self, x: torch.Tensor) -> torch.Tensor:
         activation = torch.tanh if random.random() < self.p else torch.sigmoid

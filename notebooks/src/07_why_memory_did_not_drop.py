@@ -485,11 +485,13 @@ guess = None  # your guess: 0 to 4
 right = zoo.layer_drop_step(None, 10, model=zoo.RandomActivation)
 same_shape = {name: zoo.layer_drop_step(name, 10, model=zoo.RandomActivation) for name in zoo.CHECKPOINTS}
 for name, got in same_shape.items():
-    print(f"{name:30}", "raises" if isinstance(got, str) else f"no error; gradients off by {max_diff(got, right):.4f}")
+    verdict = "raises" if isinstance(got, str) else f"no error; gradients off by {max_diff(got, right):.4f}"
+    print(f"{name:30}", verdict)
 reveal(guess, sum(isinstance(got, str) for got in same_shape.values()), "checkpoints that raise")
 torchs = [same_shape[name] for name in ["torch, use_reentrant=False", "torch, use_reentrant=True"]]
 assert all(not isinstance(got, str) and max_diff(got, right) > 1e-3 for got in torchs)
-assert all(isinstance(same_shape[name], str) for name in ["ckpt_lab.checkpoint", "ckpt_lab.reentrant_checkpoint"])
+ours = ["ckpt_lab.checkpoint", "ckpt_lab.reentrant_checkpoint"]
+assert all(isinstance(same_shape[name], str) for name in ours)
 
 # %% [markdown]
 # Ours records, for each tensor the forward saves, the op that made it (its `grad_fn`'s name, read

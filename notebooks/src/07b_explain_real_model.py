@@ -291,8 +291,8 @@ print(planned.summary(top=3))
 # once per block, but it is one tensor, made outside the blocks. The whole step keeps 38.0 MiB
 # (36.0 of it inside the blocks), and the peak hardly moves (45.5 MiB against 45.8). The ledger
 # says why: the budget bounds what is *kept* between forward and backward, and at the peak, in
-# backward, 34.0 MiB of it is still alive while the last block is re-run (8.0 MiB). Its verdict,
-# "a smaller budget keeps less", costs recomputation; §7 plans for the peak instead.
+# backward, 34.0 MiB of it is still alive while the last block is re-run (8.0 MiB). Its verdict
+# offers a smaller budget, which costs recomputation, or the peak planner, which §7 uses.
 
 # %% [markdown]
 # ## 6 · The step over time
@@ -355,8 +355,8 @@ predicted = {"retained-bytes plan": profile.predict(retained_plan.saved).peak_by
 for name, plan in plans.items():
     torch.manual_seed(1)
     measured = measure_memory(lambda plan=plan: chain.loss(plan(chain.input)))
-    print(f"{name:<20} peak predicted {predicted[name] / MiB:.1f} MiB, measured {measured.peak_bytes / MiB:.1f} "
-          f"MiB ({measured.peak_bytes:,} B); recomputes {plan.recompute_cost / 1e6:.2f} MFLOP")
+    print(f"{name:<20} peak predicted {predicted[name] / MiB:.1f} MiB, "
+          f"measured {measured.peak_bytes / MiB:.1f} MiB ({measured.peak_bytes:,} B); recomputes {plan.recompute_cost / 1e6:.2f} MFLOP")
     assert measured.peak_bytes == predicted[name]
 print("retained-bytes plan:", [f"keep {len(kept)} of {len(p.candidates)}"
                                for kept, p in zip(retained_plan.saved, retained_plan.profiles, strict=True)])
@@ -385,7 +385,8 @@ def chain_step(plan):
 explained = {name: chain_step(plan) for name, plan in plans.items()}
 for name, (report, _) in explained.items():
     ledger = report.peak_ledger
-    print(f"{name} (kept after forward {report.retained_bytes / MiB:.1f} MiB), at the peak, in {ledger.phase}:")
+    kept = report.retained_bytes / MiB
+    print(f"{name} (kept after forward {kept:.1f} MiB), at the peak, in {ledger.phase}:")
     print("\n".join(f"  {size:>12,} B  {role}" for role, size in ledger.roles.items()))
     print(f"  {ledger.bytes:>12,} B  the peak\n  to lower it: {ledger.verdict}")
     assert sum(ledger.roles.values()) == ledger.bytes == predicted[name]
