@@ -356,7 +356,8 @@ for name, plan in plans.items():
     torch.manual_seed(1)
     measured = measure_memory(lambda plan=plan: chain.loss(plan(chain.input)))
     print(f"{name:<20} peak predicted {predicted[name] / MiB:.1f} MiB, "
-          f"measured {measured.peak_bytes / MiB:.1f} MiB ({measured.peak_bytes:,} B); recomputes {plan.recompute_cost / 1e6:.2f} MFLOP")
+          f"measured {measured.peak_bytes / MiB:.1f} MiB ({measured.peak_bytes:,} B); "
+          f"recomputes {plan.recompute_cost / 1e6:.2f} MFLOP")
     assert measured.peak_bytes == predicted[name]
 print("retained-bytes plan:", [f"keep {len(kept)} of {len(p.candidates)}"
                                for kept, p in zip(retained_plan.saved, retained_plan.profiles, strict=True)])
