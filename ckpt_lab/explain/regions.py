@@ -124,8 +124,7 @@ class _Regions:
     """The regions seen so far, by the objects they are known by, and the walk that finds them."""
 
     def __init__(self) -> None:
-        # id(object) -> (weak reference or None, region), for the objects a region is known by: its
-        # pack hook, its unpack hook's closure, its Function's ctx, its scope's recording.
+        # id(object) -> (weak ref or None, region): its pack hook, unpack closure, Function ctx, recording.
         self.known: dict[int, tuple[weakref.ref | None, _Region]] = {}
         self.counts: dict[str, int] = defaultdict(int)
         # Code of the hooks seen in forward: a frame running one is inside that hook.
@@ -133,9 +132,8 @@ class _Regions:
         self.unpack_codes: set[Any] = {_SCOPE_UNPACK}
 
     def context(self, backward: bool, module: str) -> _Context:
-        """Where the op about to run stands: caller's line, and its regions (forward) or whether it
-        recomputes (backward). Called from the recorder's ``__torch_dispatch__``: two frames up is
-        the code that ran the op."""
+        """Where the op about to run stands: caller's line, its regions (forward) or whether it recomputes
+        (backward). Called from the recorder's ``__torch_dispatch__``: two frames up ran the op."""
         line, functions, selective_mode, scope, via, unpacked = "", [], False, None, False, None
         past_entry = line_outside = False  # the walk went past explain's own frame; found the line there
         frame = sys._getframe(2)
