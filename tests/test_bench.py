@@ -179,3 +179,14 @@ def test_global_state_detects_a_leftover_hook():
     finally:
         hooks.__exit__()
     assert_no_global_state(before)
+
+
+def test_the_floor_command_times_its_three_ways_against_torchs_checkpoint(capsys):
+    # Times are not asserted (shared machines): only that each way runs and is divided by torch-nr's.
+    from ckpt_lab.bench import floor
+
+    ratios = floor.measure(rounds=1, depth=2)
+    assert list(ratios) == ["torch-nr", "torch-nr + empty mode in forward", "scope"]
+    assert ratios["torch-nr"] == 1.0 and all(r > 0 for r in ratios.values())
+    floor.main(["--rounds", "1", "--depth", "2"])
+    assert "scope" in capsys.readouterr().out

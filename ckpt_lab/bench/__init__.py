@@ -2,6 +2,8 @@
 
     python -m ckpt_lab.bench [--quick]       # every strategy side by side (__main__.py)
     python -m ckpt_lab.bench.pareto          # the memory/recompute frontier of notebook 05
+    python -m ckpt_lab.bench.peak            # the peak sweep (notebook 07b)
+    python -m ckpt_lab.bench.floor           # the floor under the scope's time on the dropout chain
 
 * ``workloads``: the MLP, transformer and pointwise stacks everything is measured on;
 * ``measure``: every strategy on a workload, side by side (memory, FLOPs, gradients, state, time),
