@@ -147,7 +147,9 @@ def check_api_page_example(gradient_checkpoint_scope: Scope) -> None:
         memory = _storage_ref(x)
         y = x * c  # saves x, after the with block has closed
         del x
-        if scope is not _PLAIN:
+        if scope is _PLAIN:
+            assert memory() is not None, "without a scope, mul must keep x for backward (the oracle's run)"
+        else:
             assert memory() is None, (
                 "x = a + b was made in the scope and then dropped by the user (del x), yet its memory is "
                 "still alive after y = x * c: the scope must store a small reference for x, not x itself"
