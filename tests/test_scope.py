@@ -82,20 +82,6 @@ def test_torch_checkpoint_keeps_the_output_the_scope_frees() -> None:
     (y.sum() + y2.sum()).backward()
 
 
-def test_dropout_recomputes_identically_and_the_rng_stream_is_untouched() -> None:
-    a, c = leaves((4, 256), (256,))
-
-    def case(scope: Callable[[], Any]) -> list:
-        with scope():
-            x = F.dropout(a.sin(), p=0.5) * 2
-            x = F.dropout(x, p=0.3)
-        (x * c).sum().backward()
-        # The next random numbers: the replay drew its own in a fork, not from the caller's stream.
-        return [*grads(a, c), torch.rand(5)]
-
-    with_and_without(case)
-
-
 def test_training_step_with_weight_noise_created_in_the_scope() -> None:
     def case(scope: Callable[[], Any]) -> list:
         w = torch.randn(32, 16, requires_grad=True)
@@ -677,22 +663,6 @@ def test_retain_graph_replays_once_per_backward() -> None:
     assert (counter.counts["sin"], counter.counts["exp"]) == (2, 2)
     expected = 2 * (2 * a.sin().exp() ** 2 * a.cos()).detach()
     torch.testing.assert_close(a.grad, expected)
-
-
-def test_explicit_generator_is_replayed() -> None:
-    a = leaves((40,))[0]
-
-    def case(scope: Callable[[], Any]) -> list:
-        g = torch.Generator().manual_seed(5)
-        with scope():
-            x = a * torch.randn(40, generator=g)
-        after_forward = g.get_state()
-        (x.sin()).sum().backward()
-        assert torch.equal(g.get_state(), after_forward)  # the replay did not advance it
-        del x
-        return grads(a)
-
-    with_and_without(case)
 
 
 def test_a_scope_on_another_thread() -> None:
