@@ -136,24 +136,6 @@ def test_mlp_block_gradients_and_memory() -> None:
     assert (plain, scoped) == (3 * hidden_bytes + 4, 4)
 
 
-def test_tensor_returned_from_inside_the_with_block_and_used_later() -> None:
-    a, c = leaves((50,), (50,))
-
-    def case(scope: Callable[[], Any]) -> list:
-        def make() -> torch.Tensor:
-            with scope():
-                return (a * 3).sin()
-
-        x = make()
-        y = (x * c).exp()
-        z = (x.cos() * y).sum()  # used twice, long after the scope closed
-        del x
-        z.backward()
-        return grads(a, c)
-
-    with_and_without(case)
-
-
 # ------------------------------------------------------------------------------ no global state
 def test_no_state_left_and_the_next_hooks_checkpoint_and_save_on_cpu_work() -> None:
     a, c = leaves((100,), (100,))
