@@ -290,6 +290,7 @@ def check_enclosing_hooks(gradient_checkpoint_scope: Scope) -> None:
         return _grads(a=a, c=c)
 
     _compare("inside an enclosing saved_tensors_hooks", case, gradient_checkpoint_scope)
+    assert seen["plain"] == ["a", "c", "x", "y"], f"without a scope the hook packed {seen['plain']}"
     assert seen["scope"] == ["a", "c", "y"], (
         f"the enclosing hook packed {seen['scope']} (without a scope: {seen['plain']}); it must get every "
         "saved tensor but x, which the scope recomputes: ['a', 'c', 'y']"
@@ -311,8 +312,9 @@ def check_enclosing_hooks(gradient_checkpoint_scope: Scope) -> None:
     plain = offloaded(_PLAIN)
     torch.manual_seed(0)
     got = offloaded(gradient_checkpoint_scope)
-    count = int(got.pop("tensors offloaded"))
-    lines = _differences({k: v for k, v in plain.items() if k != "tensors offloaded"}, got)
+    count, plain_count = int(got.pop("tensors offloaded")), int(plain.pop("tensors offloaded"))
+    assert plain_count == 4, f"without a scope save_on_cpu offloaded {plain_count} tensors; expected 4"
+    lines = _differences(plain, got)
     assert not lines, "inside an enclosing save_on_cpu:\n  " + "\n  ".join(lines)
     assert count == 2, (
         f"save_on_cpu offloaded {count} tensors; expected 2 (a and c; the scope recomputes the rest)"

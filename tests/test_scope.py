@@ -209,54 +209,6 @@ def test_last_scope_tensor_freed_on_another_thread_release_waits_for_a_safe_poin
     assert top_hooks() is None
 
 
-def test_enclosing_hooks_still_get_the_tensors_not_made_in_the_scope() -> None:
-    a, c = leaves((100,), (100,))
-    packed: dict[str, list[str]] = {}
-
-    def case(scope: Callable[[], Any]) -> list:
-        seen: list[torch.Tensor] = []
-        with saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
-            with scope():
-                x = a.sin()  # saves a: not made in the scope
-            y = x.cos()  # saves x: made in the scope
-            z = y * c  # saves y and c
-        z.sum().backward()
-        names = {id(a): "a", id(c): "c", id(x): "x", id(y): "y"}
-        packed[scope.__name__] = sorted(names.get(id(t), "?") for t in seen)
-        seen.clear()
-        del x, y, z
-        return grads(a, c)
-
-    with_and_without(case)
-    # The enclosing hook packed everything except x, which the scope recomputes instead.
-    assert packed == {"nullcontext": ["a", "c", "x", "y"], "gradient_checkpoint_scope": ["a", "c", "y"]}
-
-
-def test_enclosing_save_on_cpu_still_applies_to_tensors_not_made_in_the_scope() -> None:
-    a, c = leaves((100,), (100,))
-
-    def case(scope: Callable[[], Any]) -> list:
-        offload = save_on_cpu()
-        offloaded = []
-        pack = offload.pack_hook
-        offload.pack_hook = lambda t: offloaded.append(t.shape) or pack(t)
-        with offload:
-            with scope():
-                x = a.sin().exp()  # saves a and exp's output
-            y = (x * c).sum()  # saves x and c
-        y.backward()
-        del x
-        return [*grads(a, c), torch.tensor(len(offloaded))]
-
-    # Plain: 4 tensors offloaded; scope: 2 (a and c), x and exp's output are recomputed instead.
-    torch.manual_seed(0)
-    plain = case(contextlib.nullcontext)
-    torch.manual_seed(0)
-    scoped = case(gradient_checkpoint_scope)
-    assert_all_equal(plain[:2], scoped[:2])
-    assert (int(plain[2]), int(scoped[2])) == (4, 2)
-
-
 def test_an_exception_inside_the_scope_propagates_and_leaves_nothing_behind() -> None:
     a, c = leaves((10,), (10,))
     kept = []
