@@ -411,6 +411,7 @@ def check_exception_inside(gradient_checkpoint_scope: Scope) -> None:
     assert torch._C._len_torch_dispatch_stack() == 0, (
         "a dispatch mode is left on the stack after the exception"
     )
+    _assert_clean(gradient_checkpoint_scope, "the exception (a tensor made in the failed scope still alive)")
     y = (kept.pop() * c).sum()
     y.backward()
     del y
