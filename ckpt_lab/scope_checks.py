@@ -335,8 +335,10 @@ def check_nested_scopes(gradient_checkpoint_scope: Scope) -> None:
             z = y * x
         w = z.cos() * c
         del x, y
-        if scope is not _PLAIN:
-            alive = [name for name, memory in memories.items() if memory() is not None]
+        alive = [name for name, memory in memories.items() if memory() is not None]
+        if scope is _PLAIN:
+            assert alive == list(memories), f"without a scope, z = y * x must keep x and y; alive: {alive}"
+        else:
             assert not alive, f"nested scopes: {alive} still alive after the forward, though only saved"
         w.sum().backward()
         return _grads(a=a, c=c)

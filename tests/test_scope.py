@@ -232,28 +232,6 @@ def test_several_scopes_alive_at_once_returnn_1583() -> None:
     with_and_without(case)
 
 
-def test_nested_scopes_free_all_their_tensors() -> None:
-    a, c = leaves((300,), (300,))
-
-    def case(scope: Callable[[], Any]) -> list:
-        refs = []
-        with scope():
-            x = a.sin()
-            with scope():
-                y = x.exp()
-                refs.append(storage_ref(y))
-            refs.append(storage_ref(x))
-            z = y * x
-        w = z.cos() * c
-        del x, y
-        alive = [ref() is not None for ref in refs]
-        w.sum().backward()
-        assert alive == [scope is contextlib.nullcontext] * 2
-        return grads(a, c)
-
-    with_and_without(case)
-
-
 def test_a_later_scope_keeps_an_earlier_scopes_tensor_it_reads() -> None:
     a, c = leaves((300,), (300,))
 
