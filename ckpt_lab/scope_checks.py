@@ -363,7 +363,9 @@ def check_several_scopes(gradient_checkpoint_scope: Scope) -> None:
 
         y = get_var(p1) * get_var(p2)
         alive = [memory() is not None for memory in memories]
-        if scope is not _PLAIN:
+        if scope is _PLAIN:
+            assert alive == [True, True], f"without a scope, the product must keep both factors: {alive}"
+        else:
             assert alive == [False, False], (
                 f"get_var1() * get_var2(): scope tensors alive after the product: {alive}"
             )

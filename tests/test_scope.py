@@ -210,28 +210,6 @@ def test_last_scope_tensor_freed_on_another_thread_release_waits_for_a_safe_poin
 
 
 # -------------------------------------------------------------------------- several scopes at once
-def test_several_scopes_alive_at_once_returnn_1583() -> None:
-    p1, p2 = leaves((200,), (200,))
-
-    def case(scope: Callable[[], Any]) -> list:
-        refs = []
-
-        def get_var(p: torch.Tensor) -> torch.Tensor:
-            with scope():
-                v = p * torch.randn_like(p)
-            refs.append(storage_ref(v))
-            return v
-
-        y = get_var(p1) * get_var(p2)
-        alive = [ref() is not None for ref in refs]
-        y.sum().backward()
-        # Both scope tensors were freed right after the product (without the scope mul keeps both).
-        assert alive == [scope is contextlib.nullcontext] * 2
-        return grads(p1, p2)
-
-    with_and_without(case)
-
-
 def test_a_later_scope_keeps_an_earlier_scopes_tensor_it_reads() -> None:
     a, c = leaves((300,), (300,))
 
