@@ -635,10 +635,14 @@ def check_no_reference_cycles(gradient_checkpoint_scope: Scope) -> None:
             del z
             a.grad = c.grad = None
             left = memory.live_bytes
+            hook_left = _top_hooks() is not None
     finally:
         gc.enable()
     assert left == 0, (
         f"{left} bytes made during the step are still alive without a garbage collection (a cycle)"
+    )
+    assert not hook_left, (
+        "after the step a saved-tensor hook is still on the stack without a garbage collection"
     )
     _assert_clean(gradient_checkpoint_scope, "a step without the garbage collector")
 
