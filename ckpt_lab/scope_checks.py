@@ -648,21 +648,31 @@ def check_no_reference_cycles(gradient_checkpoint_scope: Scope) -> None:
 
 
 def check_autocast(gradient_checkpoint_scope: Scope) -> None:
-    """Under CPU autocast (bfloat16), backward inside autocast too: the replay runs the recorded,
-    already cast ops as they were."""
+    """Under CPU autocast (bfloat16), backward inside autocast too, in the forward's autocast region
+    or in a second one (its cast cache fresh): the replay runs the recorded, already cast ops as they
+    were."""
     torch.manual_seed(3)
     lin = torch.nn.Linear(16, 16)
 
-    def case(scope: Scope) -> dict[str, Any]:
+    def case(scope: Scope, same_region: bool = True) -> dict[str, Any]:
         x = torch.randn(8, 16, requires_grad=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             with scope():
                 h = F.gelu(lin(x))
             out = lin(h).float().sum()
-            out.backward()
+            if same_region:
+                out.backward()
+        if not same_region:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out.backward()
         return _grads(x=x, weight=lin.weight, bias=lin.bias)
 
     _compare("under torch.autocast('cpu', dtype=torch.bfloat16)", case, gradient_checkpoint_scope)
+    _compare(
+        "under torch.autocast('cpu', dtype=torch.bfloat16), backward in a second autocast region",
+        lambda scope: case(scope, same_region=False),
+        gradient_checkpoint_scope,
+    )
     _assert_clean(gradient_checkpoint_scope, "autocast")
 
 

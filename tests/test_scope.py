@@ -460,23 +460,6 @@ def test_a_stored_tensor_modified_in_place_is_refused_like_autograd_does() -> No
 
 
 # -------------------------------------------------------------------------------- other features
-def test_autocast_on_cpu() -> None:
-    lin = nn.Linear(16, 16)
-
-    def case(scope: Callable[[], Any]) -> list:
-        x = torch.randn(8, 16, requires_grad=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            with scope():
-                h = F.gelu(lin(x))
-            out = lin(h).float().sum()
-        # backward inside autocast too: the replay must run the recorded (already cast) ops as they were
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out.backward()
-        return [x.grad, *grads(lin.weight, lin.bias)]
-
-    with_and_without(case)
-
-
 def test_inputs_are_kept_until_the_last_handle_dies_then_released() -> None:
     a = leaves((100,))[0]
     inp = a * 1  # from outside the scope: the replay reads it, so the recording holds it
