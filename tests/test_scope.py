@@ -503,28 +503,6 @@ def test_retain_graph_replays_once_per_backward() -> None:
     torch.testing.assert_close(a.grad, expected)
 
 
-def test_a_scope_on_another_thread() -> None:
-    a, c = leaves((50,), (50,))
-    expected = (a.cos() * c).detach(), a.sin().detach()
-    box: dict[str, Any] = {}
-
-    def worker() -> None:
-        with gradient_checkpoint_scope():
-            x = a.sin()
-        box["resident"] = top_hooks() is not None
-        (x * c).sum().backward()
-        del x
-        box["after"] = top_hooks()
-
-    thread = threading.Thread(target=worker)
-    thread.start()
-    thread.join()
-    # The worker's resident hook lived on the worker's stack only, and was removed there.
-    assert box == {"resident": True, "after": None}
-    assert_all_equal([a.grad, c.grad], list(expected))
-    a.grad = c.grad = None
-
-
 @pytest.mark.parametrize("checkpoint", ["torch", "ckpt_lab"])
 def test_a_scope_inside_a_checkpointed_function_does_nothing(checkpoint: str) -> None:
     a, c = leaves((30,), (30,))
