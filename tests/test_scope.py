@@ -609,20 +609,6 @@ def test_a_checkpoint_from_another_module_is_recognised_by_recomputes_region() -
     del y
 
 
-def test_torch_checkpoint_inside_the_scope() -> None:
-    a, c = leaves((30,), (30,))
-
-    def case(scope: Callable[[], Any]) -> list:
-        with scope():
-            x = torch_checkpoint(lambda u: u.sin().exp(), a, use_reentrant=False)
-            x = x.cos()
-        (x * c).sum().backward()
-        del x
-        return grads(a, c)
-
-    with_and_without(case)
-
-
 OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sin": torch.sin,
     "exp": lambda x: (x * 0.1).exp(),
