@@ -474,21 +474,6 @@ def test_inputs_are_kept_until_the_last_handle_dies_then_released() -> None:
     assert ref() is None
 
 
-def test_double_backward() -> None:
-    a = leaves((20,))[0]
-
-    def case(scope: Callable[[], Any]) -> list:
-        with scope():
-            x = a.sin() * a
-        y = (x**3).sum()
-        (g,) = torch.autograd.grad(y, a, create_graph=True)
-        (g * g).sum().backward()
-        del x
-        return grads(a)
-
-    with_and_without(case)
-
-
 def test_retain_graph_replays_once_per_backward() -> None:
     a = leaves((30,))[0]
     with gradient_checkpoint_scope():
