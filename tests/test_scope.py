@@ -488,29 +488,6 @@ def test_retain_graph_replays_once_per_backward() -> None:
     torch.testing.assert_close(a.grad, expected)
 
 
-@pytest.mark.parametrize("checkpoint", ["torch", "ckpt_lab"])
-def test_a_scope_inside_a_checkpointed_function_does_nothing(checkpoint: str) -> None:
-    a, c = leaves((30,), (30,))
-
-    def function(x: torch.Tensor, scope: Callable[[], Any]) -> torch.Tensor:
-        with save_on_cpu():
-            with scope():
-                h = x.sin().exp()
-        return (h * c).cos()
-
-    def case(scope: Callable[[], Any]) -> list:
-        if checkpoint == "torch":
-            y = torch_checkpoint(function, a, scope, use_reentrant=False)
-        else:
-            y = ckpt_lab_checkpoint(function, a, scope)
-        # Otherwise the checkpoint's re-run (where the scope does nothing) would save other tensors
-        # than its forward, and the checkpoint would match them by position: wrong gradients.
-        y.sum().backward()
-        return grads(a, c)
-
-    with_and_without(case)
-
-
 def test_torch_checkpoints_pack_hooks_are_found() -> None:
     # Read from torch's source once, at import: a torch that renamed them would show here.
     names = sorted(code.co_qualname for code in scope_module._TORCH_CHECKPOINT_PACK_HOOKS)
