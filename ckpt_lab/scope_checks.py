@@ -533,6 +533,7 @@ def check_release_after_backward(gradient_checkpoint_scope: Scope) -> None:
             y = (x * x).exp()
         z = y * c
         del x, y
+        assert memory() is not None, "x, an input the later scope reads, must be kept until backward"
         z.sum().backward()
         del z
         assert memory() is None, "x is still alive after backward, though nothing uses it any more"
