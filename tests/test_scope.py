@@ -1,4 +1,8 @@
-"""Tests for ``ckpt_lab.scope.gradient_checkpoint_scope``; the same code without the scope is the oracle."""
+"""Tests for ``ckpt_lab.scope.gradient_checkpoint_scope``; the same code without the scope is the oracle.
+
+What every scope must do (``ckpt_lab.scope_checks``) is tested on both scopes, this one and
+``ckpt_lab.scope_core``, in tests/test_scope_mechanism.py; the tests here go beyond those checks.
+"""
 
 from __future__ import annotations
 
