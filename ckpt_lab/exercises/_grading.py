@@ -36,6 +36,7 @@ __all__ = [
     "Check",
     "Exercise",
     "LoadError",
+    "Mistake",
     "Outcome",
     "Report",
     "Submission",
@@ -82,12 +83,37 @@ class Exercise:
         return f"notebook {self.notebook} {self.section}"
 
     @property
+    def folder(self) -> Path:
+        """``ckpt_lab/exercises/ex02_checkpoint_function/``: the exercise's one folder, which holds
+        ``grader.py`` (this object), ``stub.py``, ``solution.py`` and ``mistakes.py``."""
+        return Path(__file__).parent / f"ex{self.file_name.removesuffix('.py')}"
+
+    @property
     def stub_path(self) -> Path:
-        return Path(__file__).parent / "stubs" / self.file_name
+        return self.folder / "stub.py"
 
     @property
     def solution_path(self) -> Path:
-        return Path(__file__).parent / "solutions" / self.file_name
+        return self.folder / "solution.py"
+
+    @property
+    def mistakes(self) -> list[Mistake]:
+        """The catalogued mistakes (``mistakes.py``), each graded in the tests."""
+        package = __name__.rpartition(".")[0]
+        return importlib.import_module(f"{package}.{self.folder.name}.mistakes").MISTAKES
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """A mistake learners make, and the check that must catch it: ``old`` replaced by ``new`` in the
+    reference solution (with ``old`` empty, ``new`` is the whole file), graded, must fail ``check``
+    with a message that contains ``says`` (a phrase that tells this mistake apart from the others)."""
+
+    label: str
+    old: str
+    new: str
+    check: str
+    says: str
 
 
 @dataclass

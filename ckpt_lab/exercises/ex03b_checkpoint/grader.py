@@ -27,7 +27,7 @@ from ckpt_lab.exercises._feedback import (
     state_left_behind,
 )
 from ckpt_lab.exercises._grading import Check, Exercise, Submission, error_text
-from ckpt_lab.exercises.ex02_checkpoint_function import _block, _dropout_step, _grads, _input
+from ckpt_lab.exercises.ex02_checkpoint_function.grader import _block, _dropout_step, _grads, _input
 from ckpt_lab.instruments import CallCounter, global_state
 
 
