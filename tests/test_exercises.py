@@ -59,20 +59,100 @@ def test_reference_solution_passes(name: str) -> None:
     assert_no_global_state()
 
 
-# The package's own implementations, in a learner's file: the graders hold them to the same checks.
-PACKAGE_AS_SOLUTION = {
-    "02-checkpoint-function": "from ckpt_lab.reentrant import CheckpointFunction  # noqa: F401\n",
-    "03b-checkpoint": "from ckpt_lab import checkpoint  # noqa: F401\n",
-    "04-scope": "from ckpt_lab import gradient_checkpoint_scope  # noqa: F401\n",
+# Delegation: a file that hands the exercise to torch's or ckpt_lab's own version fails, whatever its checks
+# would say, and says what it used, where, and where to learn to write it. (file, a phrase of the message)
+DELEGATIONS = {
+    "01-requires-grad": [
+        ("from ckpt_lab.exercises.ex01_requires_grad.solution import PREDICTIONS, WHY  # noqa: F401\n",
+         "your file imports ckpt_lab.exercises.ex01_requires_grad.solution.PREDICTIONS at {f}:1: write it "
+         "yourself (notebook 01 §2, §3 and §5)."),
+    ],
+    "02-checkpoint-function": [
+        ("import torch\n\nCheckpointFunction = torch.utils.checkpoint.CheckpointFunction\n",
+         "your file uses torch.utils.checkpoint.CheckpointFunction at {f}:3: write it yourself "
+         "(notebook 02 §3 and §8)."),
+        ("from ckpt_lab.reentrant import CheckpointFunction  # noqa: F401\n",
+         "your file imports ckpt_lab.reentrant.CheckpointFunction at {f}:1"),
+        ("import importlib\n\nCheckpointFunction = getattr(\n"
+         "    importlib.import_module('torch.utils.' + 'checkpoint'), 'CheckpointFunction'\n)\n",
+         "your file's `CheckpointFunction` is torch.utils.checkpoint.CheckpointFunction: write it yourself"),
+        ("import torch\n\n\nclass CheckpointFunction(torch.utils.checkpoint.CheckpointFunction):\n    pass\n",
+         "your file uses torch.utils.checkpoint.CheckpointFunction at {f}:4"),
+    ],
+    "02b-segments": [
+        ("from ckpt_lab import planner\n\n\ndef choose_segments(n_layers, activation_bytes, limit_bytes):\n"
+         "    return planner.plan_sequential(n_layers, activation_bytes, limit_bytes)\n",
+         "your file calls ckpt_lab.planner.plan_sequential at {f}:5: write it yourself (notebook 02b A)."),
+    ],
+    "03-pack-unpack": [
+        ("from torch.autograd.graph import save_on_cpu\n\n_hooks = save_on_cpu()\n"
+         "pack, unpack = _hooks.pack_hook, _hooks.unpack_hook\n",
+         "your file calls torch.autograd.graph.save_on_cpu at {f}:3: write it yourself (notebook 03 §3)."),
+    ],
+    "03b-checkpoint": [
+        ("import torch\n\n\ndef checkpoint(function, *args):\n"
+         "    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)\n",
+         "your file calls torch.utils.checkpoint.checkpoint at {f}:5: write it yourself "
+         "(notebook 03b §1 and §2)."),
+        ("from ckpt_lab import checkpoint  # noqa: F401\n", "your file imports ckpt_lab.checkpoint at {f}:1"),
+    ],
+    "04-scope": [
+        ("from ckpt_lab.scope_core import gradient_checkpoint_scope  # noqa: F401\n",
+         "your file imports ckpt_lab.scope_core.gradient_checkpoint_scope at {f}:1: write it yourself "
+         "(notebook 04 §3 and §4)."),
+        ("from ckpt_lab import gradient_checkpoint_scope  # noqa: F401\n",
+         "your file imports ckpt_lab.gradient_checkpoint_scope at {f}:1"),
+    ],
+    "05-selective-budget": [
+        ("from ckpt_lab.planner import solve_dp as knapsack  # noqa: F401\n\n\ndef make_policy(block):\n"
+         "    return lambda ctx, op, *args, **kwargs: False\n",
+         "your file imports ckpt_lab.planner.solve_dp at {f}:1: write it yourself "
+         "(notebook 05 §2.2 and §4)."),
+    ],
+    "07-memory-target": [
+        ("import importlib\n\n"
+         "solution = importlib.import_module('ckpt_lab.exercises.ex07_memory_target.solution')\n"
+         "CAUSES, make_model = solution.CAUSES, solution.make_model\n",
+         "your file's `make_model` is ckpt_lab.exercises.ex07_memory_target.solution.make_model: write it "
+         "yourself (notebook 07 §1 and §2)."),
+    ],
 }
+DELEGATION_CASES = [(name, i) for name, cases in DELEGATIONS.items()
+                    if name in EXERCISES for i in range(len(cases))]
 
 
-@pytest.mark.parametrize("name", [name for name in PACKAGE_AS_SOLUTION if name in EXERCISES])
-def test_the_package_passes_its_own_exercise(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "case"), DELEGATION_CASES, ids=[f"{n}-{i}" for n, i in DELEGATION_CASES])
+def test_a_file_that_delegates_the_exercise_fails(name: str, case: int, tmp_path: Path) -> None:
+    text, says = DELEGATIONS[name][case]
     path = tmp_path / exercise(name).file_name
-    path.write_text(PACKAGE_AS_SOLUTION[name])
+    path.write_text(text)
     report = grade(name, path)
-    assert report.passed, str(report)
+    assert report.status == "failed" and report.exit_code == 1, str(report)
+    first, *rest = report.outcomes
+    assert first.check.id == "own-work" and first.status == "failed"
+    assert says.format(f=path) in first.message, str(report)
+    assert all(o.status == "skipped" for o in rest), "the checks would grade someone else's code"
+
+
+def test_every_exercise_has_a_delegation_tested() -> None:
+    assert set(EXERCISES) <= set(DELEGATIONS)
+
+
+def test_the_building_blocks_are_not_refused(tmp_path: Path) -> None:
+    """saved_tensors_hooks, TorchDispatchMode, fork_rng, Function: how the exercises are done."""
+    path = tmp_path / "mine.py"
+    path.write_text(
+        "import torch\nfrom torch.autograd.graph import saved_tensors_hooks\n"
+        "from torch.utils._python_dispatch import TorchDispatchMode\n"
+        "from torch.utils.checkpoint import CheckpointError\n\n\n"
+        "class CheckpointFunction(torch.autograd.Function):\n    pass\n\n\n"
+        "def checkpoint(function, *args):\n"
+        "    with torch.random.fork_rng(devices=[]), saved_tensors_hooks(id, id):\n"
+        "        return TorchDispatchMode, CheckpointError\n"
+    )
+    from ckpt_lab.exercises._delegation import CHECKPOINTS, delegations
+
+    assert delegations(path, "mine.py", load_file(path), CHECKPOINTS, "notebook 03b") == []
 
 
 @pytest.mark.parametrize(("name", "mistake"), CASES, ids=[f"{n}: {m.label}" for n, m in CASES])
@@ -120,7 +200,10 @@ def test_every_exercise_folder_is_found_and_complete() -> None:
     folders = sorted(p.name for p in (ROOT / "ckpt_lab" / "exercises").glob("ex*") if p.is_dir())
     assert folders == [e.folder.name for e in EXERCISES.values()]
     for e in EXERCISES.values():
-        assert {"grader.py", "stub.py", "solution.py", "mistakes.py"} <= {p.name for p in e.folder.iterdir()}
+        # Exercise 04's reference solution is a module of the package (Exercise.reference).
+        files = {"grader.py", "stub.py", "mistakes.py"} | ({"solution.py"} if e.reference is None else set())
+        assert files <= {p.name for p in e.folder.iterdir()}
+        assert e.solution_path.is_file()
 
 
 def test_a_your_turn_cell_prints_the_same_on_every_run(monkeypatch: pytest.MonkeyPatch, capsys) -> None:

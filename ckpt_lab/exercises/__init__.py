@@ -13,9 +13,12 @@ An exercise is one folder, ``ckpt_lab/exercises/exNN_name/`` (found by looking, 
   ``notebooks/``) opens it, is a copy that the tests keep identical (after editing a stub, run
   ``python -m ckpt_lab.exercises stubs notebooks/exercises --force``);
 * ``solution.py``: the reference solution, written as a learner would (torch only); ``stubs`` never
-  writes it;
+  writes it (exercise 04's is a module of the package, ``Exercise.reference``: the scope core);
 * ``mistakes.py``: the catalogued mistakes, each a one-line change of the solution and the check
   that must catch it (``tests/test_exercises.py`` grades the solution and every mistake).
+
+A learner's file that hands the work to torch's or ckpt_lab's own version of what the exercise asks
+for (``Exercise.refuses``; ``_delegation``) fails before any check runs, with the line that does it.
 
 Adding an exercise: docs/maintainers-exercises.md.
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ckpt_lab.exercises._delegation import delegations
 from ckpt_lab.exercises._feedback import restore_state, state_left_behind
 from ckpt_lab.instruments import global_state
 
@@ -71,6 +72,12 @@ class Exercise:
     grades: str  # what is graded, one line (the README's table)
     required: tuple[str, ...]  # the names the file must define
     checks: Callable[[], list[Check]]  # built on demand: exercise 04's come from another module
+    # What the learner's file must not hand the work to: torch's or ckpt_lab's own version of what the
+    # exercise asks for (``_delegation``: the usual sets; the reference solutions are always refused).
+    refuses: tuple[str, ...] = ()
+    # A module of the package that is the reference solution, graded as a learner's file (exercise 04:
+    # the scope core), instead of the folder's solution.py.
+    reference: str | None = None
 
     @property
     def file_name(self) -> str:
@@ -94,6 +101,10 @@ class Exercise:
 
     @property
     def solution_path(self) -> Path:
+        if self.reference is not None:
+            spec = importlib.util.find_spec(self.reference)
+            assert spec is not None and spec.origin is not None, f"no module {self.reference}"
+            return Path(spec.origin)
         return self.folder / "solution.py"
 
     @property
@@ -317,7 +328,14 @@ def grade_file(exercise: Exercise, path: str | os.PathLike) -> Report:
             return Report(exercise, shown, "did not load", reason=str(error))
         outcomes: list[Outcome] = []
         stop = None
-        for check in exercise.checks():
+        checks = exercise.checks()
+        said = delegations(submission.path, shown, submission.module, exercise.refuses, exercise.where_taught)
+        if said:
+            # The checks would grade someone else's code: none runs.
+            own = Check("own-work", "your own code, not a ready-made one", lambda sub: None, basic=True)
+            outcomes.append(Outcome(own, "failed", "\n".join(said)))
+            stop = own.id
+        for check in checks:
             if stop is not None:
                 outcomes.append(Outcome(check, "skipped", f"not run: `{stop}` failed first"))
                 continue

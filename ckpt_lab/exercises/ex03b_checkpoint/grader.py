@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ckpt_lab.exercises._delegation import CHECKPOINTS
 from ckpt_lab.exercises._feedback import (
     Tracker,
     compare_gradients,
@@ -299,4 +300,5 @@ EXERCISE = Exercise(
     "backward, gradients bit for bit (twice, autograd.grad, frozen input, dropout), no hook left on error",
     required=("checkpoint",),
     checks=checks,
+    refuses=CHECKPOINTS,
 )

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ckpt_lab.exercises._delegation import CHECKPOINTS
 from ckpt_lab.exercises._grading import Check, Exercise, Submission
 
 
@@ -64,6 +65,8 @@ EXERCISE: Exercise | None = Exercise(
     "store, tensors used after the scope, dropout, enclosing hooks, nesting, exceptions, hooks released",
     required=("gradient_checkpoint_scope",),
     checks=checks,
+    refuses=CHECKPOINTS,
+    reference="ckpt_lab.scope_core",
 )
 if importlib.util.find_spec("ckpt_lab.scope_checks") is None:
     EXERCISE = None

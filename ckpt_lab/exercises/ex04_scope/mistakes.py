@@ -1,10 +1,10 @@
-"""Exercise 04's catalogued mistakes: whole files (its reference solution is the package's scope core),
-each with the check that must catch it and a phrase of its message that tells it apart
-(``tests/test_exercises.py`` grades every one)."""
+"""Exercise 04's catalogued mistakes: one change of the reference solution (the package's scope core,
+ckpt_lab/scope_core.py), and whole files (``old`` empty), each with the check that must catch it and
+a phrase of its message that tells it apart (``tests/test_exercises.py`` grades every one)."""
 
 from ckpt_lab.exercises._grading import Mistake
 
-# Notebook 04's two drafts, a scope that recomputes nothing, and the shipped scope without its RNG replay.
+# Notebook 04's two drafts, a scope that recomputes nothing, and the scope core without its RNG replay.
 _DRAFT_1 = '''"""Notebook 04's draft 1: record, hand out handles, replay; the hooks popped at __exit__."""
 
 import torch
@@ -59,9 +59,8 @@ MISTAKES = [
     ),
     Mistake(
         "forgets the RNG replay",
-        "",
-        "import functools\n\nfrom ckpt_lab import gradient_checkpoint_scope as scope\n\n"
-        "gradient_checkpoint_scope = functools.partial(scope, preserve_rng_state=False)\n",
+        "def gradient_checkpoint_scope(*, preserve_rng_state: bool = True)",
+        "def gradient_checkpoint_scope(*, preserve_rng_state: bool = False)",
         "dropout",
         "dropout in the scope",
     ),
