@@ -325,6 +325,10 @@ def _grading() -> Iterator[None]:
 
 def error_text(error: BaseException, limit: int = 400) -> str:
     """The exception's message, cut to ``limit`` characters (a KeyError's message can be a whole tensor)."""
+    if isinstance(error, KeyError) and len(error.args) == 1 and isinstance(error.args[0], torch.Tensor):
+        # Its message would be the tensor's values: say what it is instead.
+        key = error.args[0]
+        return f"the key looked up is a tensor, {str(key.dtype).removeprefix('torch.')}{list(key.shape)}"
     said = str(error).strip() or "(no message)"
     return said if len(said) <= limit else said[:limit].rstrip() + " ..."
 
