@@ -53,6 +53,7 @@ import random
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.colors import ListedColormap
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS, create_selective_checkpoint_contexts
@@ -434,25 +435,30 @@ print(f"at {plans['dp', 0.1].budget / 1024:.0f} KiB greedy recomputes {extra:.1%
 
 # %% [markdown]
 # Measured equals predicted, to the byte and the FLOP; the first ~1.2 MiB above plain
-# checkpointing buy back almost all of the recomputation. **What each plan keeps** (top: FLOPs a
-# candidate saves; below: its bytes, red where kept), and what one plan keeps that the other does
-# not (block·op):
+# checkpointing buy back almost all of the recomputation. **What each plan keeps** (top: the FLOPs
+# each of a block's candidates saves if kept, and its bytes; below, per plan, one row per block: red
+# where kept), and what one plan keeps that the other does not (block·op):
 
 # %%
-cands = [(b, r) for b, p in enumerate(profiles) for r in p.candidates]
+# The four blocks are alike: one axis of 22 candidates serves them all (asserted), one row per block.
+cands = profiles[0].candidates
+assert all([(r.op, r.nbytes, r.cost) for r in p.candidates] == [(r.op, r.nbytes, r.cost) for r in cands]
+           for p in profiles)
 shown_plans, at = [plans["dp", 0.1], plans["greedy", 0.1], plans["dp", 0.25]], range(len(cands))
-fig, axes = plt.subplots(1 + len(shown_plans), 1, figsize=(13, 8), sharex=True, layout="constrained")
-axes[0].bar(at, [r.cost / 1e6 for _, r in cands], color="tab:purple", log=True)
-axes[0].set(ylabel="MFLOPs saved\nif kept", title="the 22 candidates of blocks 0, 1, 2, 3, in forward order")
-for ax, p in zip(axes[1:], shown_plans, strict=True):
-    kept = [i for i, (b, r) in enumerate(cands) if r.index in p.saved[b]]
-    ax.bar(at, [r.nbytes / 1024 for _, r in cands], color=["tab:red" if i in kept else "silver" for i in at])
-    ax.scatter(kept, [cands[i][1].nbytes / 1024 + 12 for i in kept], marker="v", color="tab:red", s=14)
-    ax.set(ylabel="KiB", ylim=(0, 150), title=f"{p.method}, budget {p.budget / 1024:.0f} KiB: red = kept "
-           f"({len(kept)} ops), grey = recomputed; {p.recompute_cost / 1e6:.2f} MFLOPs recomputed")
-for ax, b in itertools.product(axes, range(1, len(blocks))):  # black lines between blocks
-    ax.axvline(b * len(cands) / len(blocks) - 0.5, color="k", lw=0.8)
-axes[-1].set_xticks(at, [r.op.overloadpacket.__name__ for _, r in cands], rotation=90, size=7)
+fig, axes = plt.subplots(2 + len(shown_plans), 1, figsize=(10, 9), sharex=True, layout="constrained",
+                         height_ratios=[1.2, 1, 1, 1, 1])
+axes[0].bar(at, [r.cost / 1e6 for r in cands], color="tab:purple", log=True)
+axes[0].set(ylabel="MFLOPs saved\nif kept",
+            title=f"the {len(cands)} candidates of each block, in forward order")
+axes[1].bar(at, [r.nbytes / 1024 for r in cands], color="tab:gray")
+axes[1].set(ylabel="KiB kept\nif kept")
+for ax, p in zip(axes[2:], shown_plans, strict=True):
+    kept = [[r.index in p.saved[b] for r in cands] for b in range(len(blocks))]
+    ax.imshow(kept, cmap=ListedColormap(["silver", "tab:red"]), aspect="auto", vmin=0, vmax=1)
+    ax.set_yticks(range(len(blocks)), [f"block {b}" for b in range(len(blocks))])
+    ax.set_title(f"{p.method}, budget {p.budget / 1024:.0f} KiB: red = kept ({sum(map(sum, kept))} ops), "
+                 f"grey = recomputed; {p.recompute_cost / 1e6:.2f} MFLOPs recomputed", fontsize=10)
+axes[-1].set_xticks(at, [r.op.overloadpacket.__name__ for r in cands], rotation=60, ha="right", size=9)
 save_figure(fig, "05_plans")
 plt.show()
 for p, q in (shown_plans[:2], shown_plans[1::-1]):  # what dp keeps that greedy does not, and back
@@ -462,7 +468,7 @@ for p, q in (shown_plans[:2], shown_plans[1::-1]):  # what dp keeps that greedy 
     print(f"at {p.budget // 1024} KiB only {p.method} keeps {names}: {kib:.0f} KiB, {mflops:.2f} MFLOPs")
 
 # %% [markdown]
-# Matmul outputs and the blocks' last layer norm (1 KiB, ▼) come first. At 628 KiB three matmul
+# Matmul outputs and the blocks' last layer norm (1 KiB) come first. At 628 KiB three matmul
 # outputs per block (32, 96, 128 KiB) tie on FLOPs per byte; greedy fills the room with four 32 KiB
 # ones, the exact plan keeps block 0's 128 KiB `addmm` and recomputes 0.52 MFLOPs less. The plan
 # also runs under torch's checkpoint (`Plan.torch_context_fn`):
