@@ -30,6 +30,10 @@
 # | planner, half its budget range | 38.0 | 45.5 | 0.87 | attention's `bmm`, kept by the plan |
 # | peak planner, same recomputation (§7) | 25.0 | 27.0 | 0.57 | attention's `bmm`, kept by the plan |
 #
+# "Largest holder" is the first line of `explain`'s summary: the outputs of one op, grouped across
+# the blocks, that hold the most bytes *kept after the forward*. §7's peak ledger is another
+# measure: it splits the bytes alive *at the peak* by part (kept, re-run, backward's temporaries).
+#
 # Before any checkpoint, `explain` points at GPT-2's GELU: written as Python arithmetic, it keeps
 # 16 MiB; the fused `gelu_pytorch_tanh` keeps 4 (43.8 → 31.8 MiB, §1). All seven give the plain
 # step's gradients, bit for bit. `ckpt_lab.checkpoint` and the planner drop
@@ -372,7 +376,8 @@ reveal(guess, peak_plan.ways.count("plain"), "regions left plain")
 # everything kept (notebook 07, §1). And a region checkpointed with everything kept still re-runs
 # the rest (dropout, views, in-place ops) and keeps its input besides, where a plain one re-runs
 # nothing; the retained-bytes planner checkpoints every region. The peak ledger of each plan, by
-# role, as `explain` measures it:
+# role, as `explain` measures it (the bytes alive at the peak, by part; not the TL;DR's "largest
+# holder", which groups the bytes kept after the forward by op):
 
 # %%
 def chain_step(plan):
