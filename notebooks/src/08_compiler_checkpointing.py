@@ -26,9 +26,9 @@
 # |---|---|---|
 # | What does the compiler save by default? | eager's tensors on section 1's block; 1-byte dropout masks | 1 |
 # | What does the budget do? | fewer saved bytes, more recomputation, down to the inputs alone | 2 |
-# | Is it correct with dropout? | not at every budget below 1 (torch 2.11 to 2.14.1): the mask can be redrawn | 2.1 |
+# | Is it correct with dropout? | §2.1's prediction: measured there | 2.1 |
 # | Compiler's frontier or the eager planner's? | at budget 0.75 the compiler's, far below the planner's; | 3 |
-# |  | at 1 about equal; below 0.75 the compiler's gradients are wrong | |
+# |  | at 1 about equal; the gradients checked at each budget | |
 # | Do our checkpoints survive compilation? | yes, as graph breaks: eager inside, right gradients | 4 |
 # | Can the planner's plan steer the compiler? | yes, through torch's checkpoint, matched by op | 5 |
 #
@@ -42,15 +42,16 @@
 # ops into inductor's own), so where those passes rewrite the graph inductor may save other
 # tensors; nor the time and memory of its fused kernels.
 #
-# Shown with torch 2.13.0. §2 and §2.1 print the same with torch 2.11 and 2.14.1; §2.1's dropout
-# bug is still there in 2.14.1, whose partitioner changed only the case of an empty knapsack.
+# Shown with torch 2.13.0. §2 and §2.1 print the same with torch 2.11 and 2.14.1, whose partitioner
+# changed only the case of an empty knapsack.
 #
 # **After this notebook you can**
 # 1. read what a compiled forward saves and what its backward recomputes, and compare it with
 #    eager (checked: §1's assert);
 # 2. say what `activation_memory_budget` bounds and how the partitioner meets it (checked: §2's
 #    assert);
-# 3. catch the budget's dropout bug by comparing gradients (checked: §2.1's prediction and assert);
+# 3. check whether a budget keeps gradients right with dropout, by comparing them (checked: §2.1's
+#    prediction and assert);
 # 4. hand the planner's plan to the compiler through torch's checkpoint, and count what it keeps to
 #    replay randomness (checked: §5's prediction and asserts).
 #
@@ -151,8 +152,9 @@ assert eager_log.activation_bytes == step.saved_bytes
 # estimate). The budget is global; torch 2.13 also has a per-region one,
 # `torch.autograd.graph.region_activation_memory_budget(b)`, a context manager around model code
 # that works under `torch.compile` only (a prototype: one budget per compiled graph). `compile_step`
-# resets Dynamo so that each budget recompiles. "in range" puts the saved bytes on that range: it
-# equals the budget, where the share of the default's bytes does not.
+# resets Dynamo so that each budget recompiles. "in range" puts the saved bytes on that range.
+# torch's rule is an upper bound (at most the budget); on this block the saved bytes land on it
+# exactly, which the cell asserts, where the share of the default's bytes does not.
 
 # %%
 params = list(block.parameters())
@@ -174,7 +176,7 @@ for budget, s in steps.items():
 # `LiveMemory` *inside* the compiled graphs (with a dispatch mode around the compiled call, Dynamo
 # would run it eagerly); on a block this small the backward's temporaries dominate it.
 #
-# ### 2.1 · The budget redraws dropout masks
+# ### 2.1 · The budget with dropout
 #
 # Add dropout between the two Linear layers and compare gradients again.
 #
@@ -398,11 +400,9 @@ for p in sorted(budget_points, key=lambda p: abs(p.retained_bytes - kept))[:2]:
 # The compiled run saves what the plan tagged: its recomputation is the plan's, plus the extra
 # pointwise ops of decomposed GELU. It keeps *fewer* bytes than predicted, because the tags only
 # say what must be saved; the rest is the partitioner's, which recomputes each block's input from
-# kept matmul outputs rather than keep it, replaying dropout from a saved generator state. It
-# saves one such state per random op it must recompute, not per region (`functionalize_rng_ops`
-# in torch/_functorch/partitioners.py: one `run_and_save_rng_state` per op), 5,056 B each on a
-# CPU; here each block has one dropout, so 8 states. Gradients equal the compiled stack without
-# checkpoints.
+# kept matmul outputs rather than keep it, replaying dropout from saved generator states, 5,056 B
+# each on a CPU: 8 of them here, where each of the 8 blocks is one checkpoint region with one
+# dropout. Gradients equal the compiled stack without checkpoints.
 #
 # **Predict.** One torch checkpoint around three Linear + Dropout pairs, compiled: how many
 # generator states does its forward save for backward?
@@ -424,6 +424,10 @@ assert region_states == [torch.get_rng_state().numel()] * 3
 assert states == len(wl.blocks) * torch.get_rng_state().numel() and same
 
 # %% [markdown]
+# One state per random op the partitioner must recompute, not one per region
+# (`functionalize_rng_ops` in torch/_functorch/partitioners.py: one `run_and_save_rng_state` per
+# op); the plan's 8 states above were 8 regions of one dropout each.
+#
 # The compiler's own budget at the nearest memory recomputes almost nothing but redraws dropout
 # masks; the nearest budget with right gradients keeps more memory for far less recomputation. So
 # with dropout: the plan, through torch's checkpoint, for a byte budget fixed before compiling and
