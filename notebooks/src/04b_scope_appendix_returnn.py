@@ -42,9 +42,10 @@
 # | What a replay refuses (A.7)? Random ops, RNG and autocast; a GPU (M.3)? | §9, §10 |
 # | Hooks that outlive the block, safe points (M.1, A.1, A.2, A.4, A.5)? Speed? | §11, §12 |
 #
-# Peer cells are tagged `nbval-ignore-output` and **show the peer only where `returnn` is installed**
-# (CI does not install it: "peer skipped"); `run_peer` then puts the global state back, the peer's
-# own registry included. Terms: [glossary](glossary.md) ([graph task](glossary.md#graph-task),
+# The peer is a pinned dependency (`returnn==1.20261022.211313` in requirements.txt): its cells run,
+# and nbval re-checks their outputs, like every other cell. `run_peer` reports what the peer returned
+# or raised and what it left behind, then puts the global state back, the peer's own registry
+# included. Terms: [glossary](glossary.md) ([graph task](glossary.md#graph-task),
 # [safe point](glossary.md#safe-point), [peak](glossary.md#peak)).
 
 # %%
@@ -98,23 +99,17 @@ def versus(case):
             print(f"{name:<9} CheckpointError: {str(error).split(': ', 1)[1].split('. ')[0]}")
     print("clean:", assert_clean())
 
-# %% tags=["nbval-ignore-output"]
+# %%
 # Kept before anything could patch them: the peer replaces these two methods.
 ORIGINAL_HOOKS_METHODS = (saved_tensors_hooks.__enter__, saved_tensors_hooks.__exit__)
-try:
-    import returnn
-    from returnn.torch.util.gradient_checkpoint import gradient_checkpoint_scope as peer_scope
-    print("peer: returnn", returnn.__version__, "is installed")
-except ImportError:
-    peer_scope = None
-    print("peer: returnn is not installed; each peer cell below prints 'peer skipped'")
+import returnn
+from returnn.torch.util.gradient_checkpoint import gradient_checkpoint_scope as peer_scope
+
+print("peer: returnn", returnn.__version__)
 
 # %%
 def run_peer(name, case):
     """Run ``case(peer_scope)``; report its result or error and what it left behind; then clean up."""
-    if peer_scope is None:
-        print(f"{name}: returnn not installed, peer skipped")
-        return
     report, unraisable = {}, []
     old_hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
     try:
@@ -167,7 +162,7 @@ print("inner and outer scope tensors alive after forward:", alive)
 print("gradients equal to no scope:", all_equal(nested(contextlib.nullcontext)[1], scope_grads))
 print("clean:", assert_clean())
 
-# %% tags=["nbval-ignore-output"]
+# %%
 run_peer("nested, alive", lambda scope: nested(scope)[0])
 
 # %% [markdown]
@@ -279,7 +274,7 @@ def outside_buffer(scope):
     return f"buf after forward and backward: {buf.unique().tolist()}"
 versus(outside_buffer)
 
-# %% tags=["nbval-ignore-output"]
+# %%
 run_peer("buf", outside_buffer)
 
 # %% [markdown]
@@ -441,7 +436,7 @@ print("clean:", assert_clean())
 # %% [markdown]
 # ## 10. Random ops; RNG and autocast in a replay; a GPU (M.3)
 #
-# Both record, before each random op, its generator's state and replay in a fork (notebook 04 §4),
+# Both record, before each random op, its generator's state and replay in a fork (notebook 04 §3.3),
 # autocast off (the recorded ops are cast already). `scope.py` also captures, at entry, the CPU and
 # *every* initialised accelerator, replays one first initialised inside the scope from its fresh
 # seed, and never initialises CUDA. The cell runs on CUDA where there is one (checked against
@@ -471,7 +466,7 @@ print("clean:", assert_clean())
 # %% [markdown]
 # ## 11. Hooks that outlive the with block; safe points (M.1, A.1, A.2, A.4, A.5)
 #
-# Both keep a resident entry at the bottom of the stack, wrap every entry above it (notebook 04 §3),
+# Both keep a resident entry at the bottom of the stack, wrap every entry above it (notebook 04 §3.4),
 # and release it at a *safe point*: the owning thread, outside our hooks, outside a backward.
 # `scope.py` adds fast paths that touch only the top of the stack, and copes with hooks disabled.
 #
@@ -518,7 +513,7 @@ del z
 # ([source](https://github.com/rwth-i6/returnn/blob/5637148746a4271277229c1667f5a4a989e54a11/returnn/torch/util/gradient_checkpoint.py)).
 # Called early by a user, it ends the recomputation: scope tensors saved later are stored. Ours
 # needs no such call: the entry goes at the first safe point after the last scope tensor dies (at
-# `del x` in notebook 04 §3, after backward above, on another thread at its next safe point).
+# `del x` in notebook 04 §3.4, after backward above, on another thread at its next safe point).
 #
 # **A.1. No global state left behind**: after a scope and its backward, the next user's
 # `saved_tensors_hooks`, torch's checkpoint and `save_on_cpu` all work:
@@ -540,7 +535,7 @@ def no_global_state(scope):
     return {"hooks left": hooks_left, "next user hooks packed": len(packed)}
 print(no_global_state(gradient_checkpoint_scope), "| nothing patched, nothing left:", assert_clean())
 
-# %% tags=["nbval-ignore-output"]
+# %%
 run_peer("no global state", no_global_state)
 
 # %% [markdown]
@@ -565,7 +560,7 @@ alive, scope_grads = several_scopes(gradient_checkpoint_scope)
 print("scope tensors alive after the product (no scope: [True, True]):", alive)
 print("gradients equal to no scope:", all_equal(several_scopes(contextlib.nullcontext)[1], scope_grads))
 
-# %% tags=["nbval-ignore-output"]
+# %%
 run_peer("get_var1() * get_var2(), alive", lambda scope: several_scopes(scope)[0])
 
 # %% [markdown]
@@ -602,7 +597,7 @@ print("packed by the enclosing hook | no scope:", enclosing_hooks(contextlib.nul
 print("offloaded by save_on_cpu     | no scope:", enclosing_save_on_cpu(contextlib.nullcontext),
       "| scope:", enclosing_save_on_cpu(gradient_checkpoint_scope))
 
-# %% tags=["nbval-ignore-output"]
+# %%
 run_peer("enclosing hook packed", enclosing_hooks)
 run_peer("save_on_cpu offloaded", enclosing_save_on_cpu)
 
@@ -622,7 +617,7 @@ def raising(scope):
     return {"hooks left": top_hooks() is not None, "dispatch modes left": global_state()["dispatch_modes"]}
 print(raising(gradient_checkpoint_scope), "| clean:", assert_clean())
 
-# %% tags=["nbval-ignore-output"]
+# %%
 run_peer("exception", raising)
 
 # %% [markdown]
@@ -650,7 +645,7 @@ run_peer("exception", raising)
 # | RNG, autocast | per random op | every device at entry | §10 |
 # | hooks, safe points | resident entry, release | fast paths, hooks disabled | §11 |
 #
-# The peer, as its stored outputs above show (returnn 1.20261022; nbval does not re-check them):
+# The peer, as its outputs above show (returnn 1.20261022.211313, re-checked by nbval):
 #
 # | case | ours | peer |
 # |---|---|---|
