@@ -177,7 +177,8 @@ def in_scope(scope):
     return placement
 placements = {
     "checkpoint around a + b": lambda a, b, c: torch_checkpoint(torch.add, a, b, use_reentrant=False) * c,
-    "the page's checkpoint, (a + b) * c": lambda a, b, c: torch_checkpoint(lambda: (a + b) * c, use_reentrant=False),
+    "the page's checkpoint, (a + b) * c": lambda a, b, c: torch_checkpoint(lambda: (a + b) * c,
+                                                                           use_reentrant=False),
     "scope around a + b": in_scope(ckpt_lab.gradient_checkpoint_scope),
 }
 measured = {name: api_page_example(placement) for name, placement in placements.items()}
@@ -429,7 +430,7 @@ try:
     loss.backward()
 except RuntimeError as error:
     print("x2 written after sin saved it, gone by backward: refused:", error)
-print("the API page's x * c after the scope | bytes kept:", api_page_example(in_scope(gradient_checkpoint_scope))[0])
+print("x * c after the scope, bytes kept:", api_page_example(in_scope(gradient_checkpoint_scope))[0])
 
 # %% [markdown]
 # One replay per backward, the plain run's gradients, both streams as they were. But `y = x * c`, after the `with` block, still stores `x`: the scope popped its entry when
@@ -505,7 +506,7 @@ def gradient_checkpoint_scope():
         ResidentHooks.restack(drop=entry)
 
 # %%
-print("the API page's x * c after the scope | bytes kept:", api_page_example(in_scope(gradient_checkpoint_scope))[0])
+print("x * c after the scope, bytes kept:", api_page_example(in_scope(gradient_checkpoint_scope))[0])
 a, c = leaves((100,), (100,))
 stacks = {"before": hooks_stack()}
 with saved_tensors_hooks(log_pack, lambda t: t):
@@ -654,6 +655,7 @@ for name in ("checkpoint per block", "scope per block"):
 # `torch.no_grad()` instead, the version moves and draft (d)'s check stores the tensor:
 
 # %%
+ckpt_lab_scope = ckpt_lab.gradient_checkpoint_scope
 def write_case(scope, via_data):
     _ = torch.manual_seed(0)
     a, c = leaves((1000,), (1000,))
@@ -664,9 +666,10 @@ def write_case(scope, via_data):
     (w * c).sum().backward()
     return grads(a, c)
 for name, via_data in {"through .data": True, "under no_grad": False}.items():
-    plain, got = (write_case(s, via_data) for s in (contextlib.nullcontext, ckpt_lab.gradient_checkpoint_scope))
-    print(f"{name:<13} a.grad equal: {torch.equal(plain[0], got[0])} | c.grad equal: {torch.equal(plain[1], got[1])}",
-          "| c.grad, scope / plain:", round((got[1] / plain[1]).mean().item(), 3))
+    plain, got = (write_case(scope, via_data) for scope in (contextlib.nullcontext, ckpt_lab_scope))
+    print(f"{name:<13} a.grad equal: {torch.equal(plain[0], got[0])} |",
+          f"c.grad equal: {torch.equal(plain[1], got[1])} | c.grad, scope / plain:",
+          round((got[1] / plain[1]).mean().item(), 3))
 
 # %% [markdown]
 # 04b §3 and §4 measure the other limits: ops the tape leaves out, and aliases.
