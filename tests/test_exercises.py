@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,388 +19,16 @@ import torch
 
 from ckpt_lab.exercises import EXERCISES, check, exercise, grade, load_file, write_stubs
 from ckpt_lab.exercises.__main__ import main
+from ckpt_lab.exercises._grading import Mistake
 from ckpt_lab.instruments import assert_no_global_state, measure_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_STUBS = ROOT / "notebooks" / "exercises"
 
+# Every exercise's catalogued mistakes (its folder's mistakes.py).
+MISTAKES: dict[str, list[Mistake]] = {name: e.mistakes for name, e in EXERCISES.items()}
 
-@dataclass(frozen=True)
-class Mistake:
-    label: str
-    old: str  # in the reference solution
-    new: str
-    check: str  # the check that must catch it
-    says: str  # a phrase of that check's message that tells this mistake apart
-
-
-MISTAKES: dict[str, list[Mistake]] = {
-    "01-requires-grad": [
-        Mistake(
-            "apply under no_grad still records",
-            '    "c": False,',
-            '    "c": True,',
-            "predictions",
-            "case c: with torch.no_grad()",
-        ),
-        Mistake(
-            "an input returned as it is keeps its flag",
-            '    "f": True,',
-            '    "f": False,',
-            "predictions",
-            "case f: Select.apply",
-        ),
-        Mistake(
-            "parameters count as arguments",
-            '    "h": False,',
-            '    "h": True,',
-            "predictions",
-            "case h: torch.utils.checkpoint",
-        ),
-        Mistake("the wrong reason", 'WHY = {"h": "B"}', 'WHY = {"h": "A"}', "explanation", 'WHY["h"] = "A"'),
-        Mistake("a string for a bool", '    "a": True,', '    "a": "True",', "answered", "'True' is a str"),
-    ],
-    "02-checkpoint-function": [
-        Mistake(
-            "saves the block's intermediates (forward keeps its graph)",
-            "        return run_function(*args)\n",
-            "        with torch.enable_grad():\n"
-            "            ctx.outputs = run_function(*[t.detach().requires_grad_() for t in args])\n"
-            "        return ctx.outputs.detach()\n",
-            "keeps-only-inputs",
-            "keeps 4 tensors made by the block",
-        ),
-        Mistake(
-            "does not detach the inputs in the re-run",
-            "        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]\n",
-            "        inputs = list(ctx.saved_tensors)\n",
-            "gradients",
-            "x's gradient was added twice",
-        ),
-        Mistake(
-            "forgets the RNG replay",
-            "                torch.set_rng_state(ctx.rng_state)\n",
-            "                pass\n",
-            "dropout",
-            "drew new dropout masks",
-        ),
-        Mistake(
-            "re-runs under no_grad",
-            "            with torch.enable_grad():",
-            "            with torch.no_grad():",
-            "re-run",
-            "re-ran the block with grad mode off",
-        ),
-        Mistake(
-            "restores the RNG without a fork",
-            "        with torch.random.fork_rng(devices=[]):",
-            "        if True:",
-            "random-stream",
-            "random stream was rewound",
-        ),
-        Mistake(
-            "autograd.grad for the inputs only (draft 1)",
-            "        torch.autograd.backward(outputs, grads)\n"
-            "        return (None, None, *(t.grad for t in inputs))\n",
-            "        return (None, None, *torch.autograd.grad(outputs, inputs, grads))\n",
-            "gradients",
-            "None of the block's parameters got a gradient",
-        ),
-    ],
-    "02b-segments": [
-        Mistake(
-            "√n whatever the limit",
-            "    for s in range(1, n_layers + 1):\n"
-            "        if n_layers % s == 0 and (s - 1 + n_layers // s) * activation_bytes <= limit_bytes:\n"
-            "            return s\n    return None\n",
-            "    return min((s for s in range(1, n_layers + 1) if n_layers % s == 0), "
-            "key=lambda s: abs(s * s - n_layers))\n",
-            "fewest-runs",
-            "√n minimises memory, not re-runs",
-        ),
-        Mistake(
-            "the largest s that fits",
-            "    for s in range(1, n_layers + 1):",
-            "    for s in range(n_layers, 0, -1):",
-            "fewest-runs",
-            "the largest s that fits",
-        ),
-        Mistake(
-            "s + n/s: the last segment counted as checkpointed",
-            "(s - 1 + n_layers // s)",
-            "(s + n_layers // s)",
-            "none",
-            "you answered None, but s=4 keeps 7 activations",
-        ),
-        Mistake(
-            "forgets s = 1 (no checkpoint)",
-            "    for s in range(1, n_layers + 1):",
-            "    for s in range(2, n_layers + 1):",
-            "fewest-runs",
-            "s=1 fits too (16 activations)",
-        ),
-        Mistake(
-            "the limit taken for activations, not bytes",
-            "* activation_bytes <= limit_bytes",
-            "<= limit_bytes",
-            "fits",
-            "s=1 keeps 8,192 B = 16 activations",
-        ),
-    ],
-    "03-pack-unpack": [
-        Mistake(
-            "pack keeps the tensor as it is",
-            "    return tensor.dtype, tensor.to(torch.bfloat16)",
-            "    return tensor.dtype, tensor",
-            "bytes",
-            "20,004 B stay alive",
-        ),
-        Mistake(
-            "unpack does not cast back",
-            "    return tensor.to(dtype)",
-            "    return tensor",
-            "unpack-returns",
-            "unpack returned bf16[1000] on cpu for f32[1000]",
-        ),
-        Mistake(
-            "compresses to an integer type",
-            "tensor.to(torch.bfloat16)",
-            "tensor.to(torch.uint8)",
-            "gradient",
-            "relative error 0.544",
-        ),
-        Mistake(
-            "a debugging list keeps every saved tensor",
-            "def pack(tensor):\n",
-            "SEEN = []\n\n\ndef pack(tensor):\n    SEEN.append(tensor)  # for debugging\n",
-            "bytes",
-            "30,004 B stay alive",
-        ),
-    ],
-    "03b-checkpoint": [
-        Mistake(
-            "every unpack re-runs the function (unpacking again and again)",
-            "        if position not in recomputed:",
-            "        if True:",
-            "re-run",
-            "Each unpack re-ran it",
-        ),
-        Mistake(
-            "keeps the recomputed tensors after use",
-            "        return recomputed.pop(position)",
-            "        return recomputed[position]",
-            "frees-after-use",
-            "still holds 5 tensors its re-run made",
-        ),
-        Mistake(
-            "pushes the hooks without popping them on error",
-            "    with saved_tensors_hooks(pack, unpack):\n        return function(*args)\n",
-            "    hooks = saved_tensors_hooks(pack, unpack)\n    hooks.__enter__()\n"
-            "    out = function(*args)\n    hooks.__exit__(None, None, None)\n    return out\n",
-            "error-leaves-nothing",
-            "a saved-tensor hook is still on the stack",
-        ),
-        Mistake(
-            "forgets the RNG replay",
-            "            torch.set_rng_state(rng_state)\n",
-            "            pass\n",
-            "dropout",
-            "The re-run drew new dropout masks",
-        ),
-        Mistake(
-            "re-runs under no_grad",
-            "            with torch.enable_grad(), saved_tensors_hooks",
-            "            with torch.no_grad(), saved_tensors_hooks",
-            "re-run",
-            "ran the block with grad mode off",
-        ),
-        Mistake(
-            "pack keeps the tensor (no checkpoint at all)",
-            "        return count - 1  # autograd stores the ticket, not the tensor",
-            "        return tensor",
-            "keeps-only-inputs",
-            "Its pack hook should store a ticket",
-        ),
-    ],
-    "05-selective-budget": [
-        Mistake(
-            "a greedy knapsack",
-            "    best = {0: (0, frozenset())}\n",
-            "    chosen, left = set(), capacity\n"
-            "    for key, nbytes, cost in sorted(items, key=lambda i: -i[2] / max(i[1], 1e-9)):\n"
-            "        if nbytes <= left:\n            chosen.add(key)\n            left -= nbytes\n"
-            "    return chosen\n    best = {0: (0, frozenset())}\n",
-            "knapsack-optimal",
-            "greedy, not exact",
-        ),
-        Mistake(
-            "a strict < in the knapsack",
-            "if total <= capacity and",
-            "if total < capacity and",
-            "knapsack-optimal",
-            "`<` for `<=`?",
-        ),
-        Mistake(
-            "the knapsack returns positions",
-            "    return set(max(best.values(), key=lambda v: v[0])[1])",
-            "    chosen = max(best.values(), key=lambda v: v[0])[1]\n"
-            "    return {i for i, item in enumerate(items) if item[0] in chosen}",
-            "knapsack-keys",
-            "not their positions",
-        ),
-        Mistake(
-            "keeps every matmul",
-            '        return (block, f"{name} {seen[name]}") in KEEP',
-            '        return name == "addmm"',
-            "policy-budget",
-            "The first one over the budget",
-        ),
-        Mistake(
-            "a counter shared by every call",
-            'def make_policy(block):\n    seen = {"addmm": 0, "gelu": 0}',
-            'SEEN = {"addmm": 0, "gelu": 0}\n\n\ndef make_policy(block):\n    seen = SEEN',
-            "policy-steady",
-            "in the first training step and 0 B in the second",
-        ),
-        Mistake(
-            "keeps only the costliest matmul",
-            '        return (block, f"{name} {seen[name]}") in KEEP',
-            '        return name == "addmm" and seen[name] == 2',
-            "policy-recompute",
-            "Backward recomputes 3,194,880 FLOPs",
-        ),
-    ],
-    "07-memory-target": [
-        Mistake(
-            "only the log fixed: the whole function still checkpointed",
-            "        last = len(self.blocks) - 1\n        for i, block in enumerate(self.blocks):\n"
-            "            x = block(x) if i == last else checkpoint(block, x)\n        return x\n",
-            "        return checkpoint(self.run_blocks, x)\n",
-            "peak",
-            "The step peaks at 335,876 B",
-        ),
-        Mistake(
-            "only the checkpoints moved: the log keeps the activations",
-            "        if not in_backward():  # a re-run in backward calls the hook again: "
-            "log the forward only\n"
-            "            self.logged.append(output.detach().abs().mean().item())  "
-            "# a number keeps no tensor alive\n",
-            "        self.logged.append(output)\n",
-            "kept",
-            "212,992 B stay alive",
-        ),
-        Mistake(
-            "logs detached tensors",
-            "            self.logged.append(output.detach().abs().mean().item())",
-            "            self.logged.append(output.detach())",
-            "logging",
-            "entry 0 is a whole tensor",
-        ),
-        Mistake(
-            "logs in the re-runs too",
-            "        if not in_backward():  # a re-run in backward calls the hook again: "
-            "log the forward only\n",
-            "        if True:\n",
-            "logging",
-            "holds 7 entries",
-        ),
-        Mistake(
-            "removes the checkpoints",
-            "            x = block(x) if i == last else checkpoint(block, x)",
-            "            x = block(x)",
-            "kept",
-            "311,296 B stay alive",
-        ),
-        Mistake(
-            "removes the log",
-            "            self.logged.append(output.detach().abs().mean().item())",
-            "            pass",
-            "logging",
-            "holds 0 entries",
-        ),
-        Mistake("names the wrong causes", "CAUSES = {1, 2}", "CAUSES = {3}", "causes", "Not a cause here: 3"),
-    ],
-}
-
-# Exercise 04's mistakes are whole files (its reference solution is the package's scope core): notebook
-# 04's two drafts, a scope that recomputes nothing, and the shipped scope without its RNG replay.
-_DRAFT_1 = '''"""Notebook 04's draft 1: record, hand out handles, replay; the hooks popped at __exit__."""
-
-import torch
-from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._python_dispatch import TorchDispatchMode
-
-
-class Made(int):
-    """A tensor argument made by the scope, recorded as the position of the op that made it."""
-
-
-class gradient_checkpoint_scope(TorchDispatchMode):  # noqa: N801
-    def __enter__(self):
-        self.tape, self.made = [], {}
-        self.hooks = saved_tensors_hooks(self.pack, self.unpack)
-        self.hooks.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        super().__exit__(*exc)
-        self.hooks.__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.tape.append((func, [self.pack(v) if isinstance(v, torch.Tensor) else v for v in args], kwargs))
-        self.made[id(out.untyped_storage())] = Made(len(self.tape) - 1)
-        return out
-
-    def pack(self, tensor):
-        return self.made.get(id(tensor.untyped_storage()), tensor)
-
-    def unpack(self, packed):
-        if type(packed) is not Made:
-            return packed
-        values = []
-        with torch.no_grad():
-            for func, args, kwargs in self.tape:
-                values.append(func(*[values[v] if type(v) is Made else v for v in args], **(kwargs or {})))
-        return values[packed]
-'''
-_DRAFT_2 = _DRAFT_1.replace(
-    "        super().__exit__(*exc)\n        self.hooks.__exit__(*exc)\n",
-    "        super().__exit__(*exc)  # stop recording only: the hooks stay, for tensors used later\n",
-)
-MISTAKES["04-scope"] = [
-    Mistake(
-        "stores everything (a scope that recomputes nothing)",
-        "",
-        "import contextlib\n\n\ndef gradient_checkpoint_scope():\n    return contextlib.nullcontext()\n",
-        "api-page-example",
-        "yet its memory is still alive after y = x * c",
-    ),
-    Mistake(
-        "forgets the RNG replay",
-        "",
-        "import functools\n\nfrom ckpt_lab import gradient_checkpoint_scope as scope\n\n"
-        "gradient_checkpoint_scope = functools.partial(scope, preserve_rng_state=False)\n",
-        "dropout",
-        "dropout in the scope",
-    ),
-    Mistake(
-        "pops its hooks at __exit__ (notebook 04's draft 1)",
-        "",
-        _DRAFT_1,
-        "hooks-released",
-        "no hook is on the stack: x * c would store x",
-    ),
-    Mistake(
-        "leaves its hooks on the stack (notebook 04's draft 2)",
-        "",
-        _DRAFT_2,
-        "enclosing-hooks",
-        "the enclosing hook packed []",
-    ),
-]
-
-CASES = [(name, m) for name, ms in MISTAKES.items() for m in ms if name in EXERCISES]
+CASES = [(name, m) for name, ms in MISTAKES.items() for m in ms]
 
 
 @functools.cache
@@ -432,20 +59,100 @@ def test_reference_solution_passes(name: str) -> None:
     assert_no_global_state()
 
 
-# The package's own implementations, in a learner's file: the graders hold them to the same checks.
-PACKAGE_AS_SOLUTION = {
-    "02-checkpoint-function": "from ckpt_lab.reentrant import CheckpointFunction  # noqa: F401\n",
-    "03b-checkpoint": "from ckpt_lab import checkpoint  # noqa: F401\n",
-    "04-scope": "from ckpt_lab import gradient_checkpoint_scope  # noqa: F401\n",
+# Delegation: a file that hands the exercise to torch's or ckpt_lab's own version fails, whatever its checks
+# would say, and says what it used, where, and where to learn to write it. (file, a phrase of the message)
+DELEGATIONS = {
+    "01-requires-grad": [
+        ("from ckpt_lab.exercises.ex01_requires_grad.solution import PREDICTIONS, WHY  # noqa: F401\n",
+         "your file imports ckpt_lab.exercises.ex01_requires_grad.solution.PREDICTIONS at {f}:1: write it "
+         "yourself (notebook 01 §2, §3 and §5)."),
+    ],
+    "02-checkpoint-function": [
+        ("import torch\n\nCheckpointFunction = torch.utils.checkpoint.CheckpointFunction\n",
+         "your file uses torch.utils.checkpoint.CheckpointFunction at {f}:3: write it yourself "
+         "(notebook 02 §3 and §8)."),
+        ("from ckpt_lab.reentrant import CheckpointFunction  # noqa: F401\n",
+         "your file imports ckpt_lab.reentrant.CheckpointFunction at {f}:1"),
+        ("import importlib\n\nCheckpointFunction = getattr(\n"
+         "    importlib.import_module('torch.utils.' + 'checkpoint'), 'CheckpointFunction'\n)\n",
+         "your file's `CheckpointFunction` is torch.utils.checkpoint.CheckpointFunction: write it yourself"),
+        ("import torch\n\n\nclass CheckpointFunction(torch.utils.checkpoint.CheckpointFunction):\n    pass\n",
+         "your file uses torch.utils.checkpoint.CheckpointFunction at {f}:4"),
+    ],
+    "02b-segments": [
+        ("from ckpt_lab import planner\n\n\ndef choose_segments(n_layers, activation_bytes, limit_bytes):\n"
+         "    return planner.plan_sequential(n_layers, activation_bytes, limit_bytes)\n",
+         "your file calls ckpt_lab.planner.plan_sequential at {f}:5: write it yourself (notebook 02b A)."),
+    ],
+    "03-pack-unpack": [
+        ("from torch.autograd.graph import save_on_cpu\n\n_hooks = save_on_cpu()\n"
+         "pack, unpack = _hooks.pack_hook, _hooks.unpack_hook\n",
+         "your file calls torch.autograd.graph.save_on_cpu at {f}:3: write it yourself (notebook 03 §3)."),
+    ],
+    "03b-checkpoint": [
+        ("import torch\n\n\ndef checkpoint(function, *args):\n"
+         "    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)\n",
+         "your file calls torch.utils.checkpoint.checkpoint at {f}:5: write it yourself "
+         "(notebook 03b §1 and §2)."),
+        ("from ckpt_lab import checkpoint  # noqa: F401\n", "your file imports ckpt_lab.checkpoint at {f}:1"),
+    ],
+    "04-scope": [
+        ("from ckpt_lab.scope_core import gradient_checkpoint_scope  # noqa: F401\n",
+         "your file imports ckpt_lab.scope_core.gradient_checkpoint_scope at {f}:1: write it yourself "
+         "(notebook 04 §3 and §4)."),
+        ("from ckpt_lab import gradient_checkpoint_scope  # noqa: F401\n",
+         "your file imports ckpt_lab.gradient_checkpoint_scope at {f}:1"),
+    ],
+    "05-selective-budget": [
+        ("from ckpt_lab.planner import solve_dp as knapsack  # noqa: F401\n\n\ndef make_policy(block):\n"
+         "    return lambda ctx, op, *args, **kwargs: False\n",
+         "your file imports ckpt_lab.planner.solve_dp at {f}:1: write it yourself "
+         "(notebook 05 §2.2 and §4)."),
+    ],
+    "07-memory-target": [
+        ("import importlib\n\n"
+         "solution = importlib.import_module('ckpt_lab.exercises.ex07_memory_target.solution')\n"
+         "CAUSES, make_model = solution.CAUSES, solution.make_model\n",
+         "your file's `make_model` is ckpt_lab.exercises.ex07_memory_target.solution.make_model: write it "
+         "yourself (notebook 07 §1 and §2)."),
+    ],
 }
+DELEGATION_CASES = [(name, i) for name, cases in DELEGATIONS.items()
+                    if name in EXERCISES for i in range(len(cases))]
 
 
-@pytest.mark.parametrize("name", [name for name in PACKAGE_AS_SOLUTION if name in EXERCISES])
-def test_the_package_passes_its_own_exercise(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "case"), DELEGATION_CASES, ids=[f"{n}-{i}" for n, i in DELEGATION_CASES])
+def test_a_file_that_delegates_the_exercise_fails(name: str, case: int, tmp_path: Path) -> None:
+    text, says = DELEGATIONS[name][case]
     path = tmp_path / exercise(name).file_name
-    path.write_text(PACKAGE_AS_SOLUTION[name])
+    path.write_text(text)
     report = grade(name, path)
-    assert report.passed, str(report)
+    assert report.status == "failed" and report.exit_code == 1, str(report)
+    first, *rest = report.outcomes
+    assert first.check.id == "own-work" and first.status == "failed"
+    assert says.format(f=path) in first.message, str(report)
+    assert all(o.status == "skipped" for o in rest), "the checks would grade someone else's code"
+
+
+def test_every_exercise_has_a_delegation_tested() -> None:
+    assert set(EXERCISES) <= set(DELEGATIONS)
+
+
+def test_the_building_blocks_are_not_refused(tmp_path: Path) -> None:
+    """saved_tensors_hooks, TorchDispatchMode, fork_rng, Function: how the exercises are done."""
+    path = tmp_path / "mine.py"
+    path.write_text(
+        "import torch\nfrom torch.autograd.graph import saved_tensors_hooks\n"
+        "from torch.utils._python_dispatch import TorchDispatchMode\n"
+        "from torch.utils.checkpoint import CheckpointError\n\n\n"
+        "class CheckpointFunction(torch.autograd.Function):\n    pass\n\n\n"
+        "def checkpoint(function, *args):\n"
+        "    with torch.random.fork_rng(devices=[]), saved_tensors_hooks(id, id):\n"
+        "        return TorchDispatchMode, CheckpointError\n"
+    )
+    from ckpt_lab.exercises._delegation import CHECKPOINTS, delegations
+
+    assert delegations(path, "mine.py", load_file(path), CHECKPOINTS, "notebook 03b") == []
 
 
 @pytest.mark.parametrize(("name", "mistake"), CASES, ids=[f"{n}: {m.label}" for n, m in CASES])
@@ -481,10 +188,22 @@ def test_an_untouched_stub_is_not_implemented_yet(name: str, capsys: pytest.Capt
 
 
 def test_the_notebooks_stubs_are_the_packages() -> None:
-    stubs = {p.name: p.read_text() for p in (ROOT / "ckpt_lab" / "exercises" / "stubs").glob("*.py")}
-    assert {e.file_name for e in EXERCISES.values()} <= set(stubs)
+    stubs = {e.file_name: e.stub_path.read_text() for e in EXERCISES.values()}
     found = {p.name: p.read_text() for p in NOTEBOOK_STUBS.glob("*.py")}
-    assert found == stubs, "notebooks/exercises/ must hold the package's stubs (ckpt_lab/exercises/stubs/)"
+    assert found == stubs, (
+        "notebooks/exercises/ must hold a copy of each exercise's stub.py, and nothing else; after editing a "
+        "stub, run: python -m ckpt_lab.exercises stubs notebooks/exercises --force"
+    )
+
+
+def test_every_exercise_folder_is_found_and_complete() -> None:
+    folders = sorted(p.name for p in (ROOT / "ckpt_lab" / "exercises").glob("ex*") if p.is_dir())
+    assert folders == [e.folder.name for e in EXERCISES.values()]
+    for e in EXERCISES.values():
+        # Exercise 04's reference solution is a module of the package (Exercise.reference).
+        files = {"grader.py", "stub.py", "mistakes.py"} | ({"solution.py"} if e.reference is None else set())
+        assert files <= {p.name for p in e.folder.iterdir()}
+        assert e.solution_path.is_file()
 
 
 def test_a_your_turn_cell_prints_the_same_on_every_run(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
@@ -570,7 +289,7 @@ def test_a_learners_file_loads_fresh_each_time(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ numbers the stubs state
 def test_exercise_05_target_is_the_planners_optimum_at_the_budget() -> None:
     from ckpt_lab import planner
-    from ckpt_lab.exercises import ex05_selective_budget as ex05
+    from ckpt_lab.exercises.ex05_selective_budget import grader as ex05
 
     torch.manual_seed(0)
     blocks = [ex05.make_block() for _ in range(ex05.BLOCKS)]
@@ -584,7 +303,7 @@ def test_exercise_05_target_is_the_planners_optimum_at_the_budget() -> None:
 
 
 def test_exercise_07_stub_keeps_and_peaks_as_it_says_and_the_fix_meets_the_targets_exactly() -> None:
-    from ckpt_lab.exercises import ex07_memory_target as ex07
+    from ckpt_lab.exercises.ex07_memory_target import grader as ex07
 
     def step(path: Path) -> tuple[int, int]:
         model, x, loss_fn = load_file(path).make_model()
@@ -599,7 +318,7 @@ def test_exercise_07_stub_keeps_and_peaks_as_it_says_and_the_fix_meets_the_targe
 
 
 def test_exercise_03_chain_keeps_what_the_stub_says_without_hooks() -> None:
-    from ckpt_lab.exercises import ex03_pack_unpack as ex03
+    from ckpt_lab.exercises.ex03_pack_unpack import grader as ex03
 
     x = torch.randn(1000, requires_grad=True)
     assert measure_memory(lambda: ex03._sin_chain(x).sum()).retained_bytes == 20_004

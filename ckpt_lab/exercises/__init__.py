@@ -5,15 +5,22 @@ pass or fail: which tensor the learner's checkpoint keeps that it should not (sh
 and the line that made it), how many times the block ran, which gradient differs and where, what
 was left behind (a hook on the stack, a dispatch mode, grad mode off).
 
-Where things live:
+An exercise is one folder, ``ckpt_lab/exercises/exNN_name/`` (found by looking, never listed by hand):
 
-* **the stubs**: ``notebooks/exercises/NN_name.py``, where JupyterLab (``make lab``, which serves
-  ``notebooks/``) opens them, and a pristine copy in ``ckpt_lab/exercises/stubs/`` (the two are kept
-  identical by the tests) from which ``python -m ckpt_lab.exercises stubs DIR`` writes a set to hand out;
-* **the graders**: ``ckpt_lab/exercises/exNN_name.py``, one per exercise, its checks in order;
-* **the reference solutions**: ``ckpt_lab/exercises/solutions/NN_name.py``, written as a learner
-  would (torch only), graded in the tests with the catalogued mistakes, each a one-line change of
-  them (``tests/test_exercises.py``). ``stubs`` never writes them.
+* ``grader.py``: ``EXERCISE``, its checks in order;
+* ``stub.py``: what the learner fills in. ``python -m ckpt_lab.exercises stubs DIR`` writes a set to
+  hand out; ``notebooks/exercises/NN_name.py``, where JupyterLab (``make lab``, which serves
+  ``notebooks/``) opens it, is a copy that the tests keep identical (after editing a stub, run
+  ``python -m ckpt_lab.exercises stubs notebooks/exercises --force``);
+* ``solution.py``: the reference solution, written as a learner would (torch only); ``stubs`` never
+  writes it (exercise 04's is a module of the package, ``Exercise.reference``: the scope core);
+* ``mistakes.py``: the catalogued mistakes, each a one-line change of the solution and the check
+  that must catch it (``tests/test_exercises.py`` grades the solution and every mistake).
+
+A learner's file that hands the work to torch's or ckpt_lab's own version of what the exercise asks
+for (``Exercise.refuses``; ``_delegation``) fails before any check runs, with the line that does it.
+
+Adding an exercise: docs/maintainers-exercises.md.
 
 In a notebook::
 
@@ -25,7 +32,7 @@ From a shell: ``python -m ckpt_lab.exercises list | check NAME FILE... | stubs D
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import types
 from pathlib import Path
@@ -47,30 +54,13 @@ __all__ = [
 
 
 def _exercises() -> dict[str, Exercise]:
-    from ckpt_lab.exercises import (
-        ex01_requires_grad,
-        ex02_checkpoint_function,
-        ex02b_segments,
-        ex03_pack_unpack,
-        ex03b_checkpoint,
-        ex05_selective_budget,
-        ex07_memory_target,
-    )
-
-    found = [
-        ex01_requires_grad.EXERCISE,
-        ex02_checkpoint_function.EXERCISE,
-        ex02b_segments.EXERCISE,
-        ex03_pack_unpack.EXERCISE,
-        ex03b_checkpoint.EXERCISE,
-        ex05_selective_budget.EXERCISE,
-        ex07_memory_target.EXERCISE,
-    ]
-    # Exercise 04 is graded by the scope's mechanism checks (ckpt_lab.scope_checks), where they exist.
-    if importlib.util.find_spec("ckpt_lab.scope_checks") is not None:
-        from ckpt_lab.exercises import ex04_scope
-
-        found.insert(5, ex04_scope.EXERCISE)
+    """Every folder ``exNN_name/`` here with a ``grader.py``, in the order of their names (01, 02, 02b...)."""
+    found = []
+    for folder in sorted(Path(__file__).parent.glob("ex*/grader.py")):
+        grader = importlib.import_module(f"{__name__}.{folder.parent.name}.grader")
+        # A grader whose checks live in a module this checkout lacks sets EXERCISE to None (exercise 04).
+        if grader.EXERCISE is not None:
+            found.append(grader.EXERCISE)
     return {e.name: e for e in found}
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ckpt_lab.exercises._delegation import delegations
 from ckpt_lab.exercises._feedback import restore_state, state_left_behind
 from ckpt_lab.instruments import global_state
 
@@ -36,6 +37,7 @@ __all__ = [
     "Check",
     "Exercise",
     "LoadError",
+    "Mistake",
     "Outcome",
     "Report",
     "Submission",
@@ -70,6 +72,12 @@ class Exercise:
     grades: str  # what is graded, one line (the README's table)
     required: tuple[str, ...]  # the names the file must define
     checks: Callable[[], list[Check]]  # built on demand: exercise 04's come from another module
+    # What the learner's file must not hand the work to: torch's or ckpt_lab's own version of what the
+    # exercise asks for (``_delegation``: the usual sets; the reference solutions are always refused).
+    refuses: tuple[str, ...] = ()
+    # A module of the package that is the reference solution, graded as a learner's file (exercise 04:
+    # the scope core), instead of the folder's solution.py.
+    reference: str | None = None
 
     @property
     def file_name(self) -> str:
@@ -82,12 +90,41 @@ class Exercise:
         return f"notebook {self.notebook} {self.section}"
 
     @property
+    def folder(self) -> Path:
+        """``ckpt_lab/exercises/ex02_checkpoint_function/``: the exercise's one folder, which holds
+        ``grader.py`` (this object), ``stub.py``, ``solution.py`` and ``mistakes.py``."""
+        return Path(__file__).parent / f"ex{self.file_name.removesuffix('.py')}"
+
+    @property
     def stub_path(self) -> Path:
-        return Path(__file__).parent / "stubs" / self.file_name
+        return self.folder / "stub.py"
 
     @property
     def solution_path(self) -> Path:
-        return Path(__file__).parent / "solutions" / self.file_name
+        if self.reference is not None:
+            spec = importlib.util.find_spec(self.reference)
+            assert spec is not None and spec.origin is not None, f"no module {self.reference}"
+            return Path(spec.origin)
+        return self.folder / "solution.py"
+
+    @property
+    def mistakes(self) -> list[Mistake]:
+        """The catalogued mistakes (``mistakes.py``), each graded in the tests."""
+        package = __name__.rpartition(".")[0]
+        return importlib.import_module(f"{package}.{self.folder.name}.mistakes").MISTAKES
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """A mistake learners make, and the check that must catch it: ``old`` replaced by ``new`` in the
+    reference solution (with ``old`` empty, ``new`` is the whole file), graded, must fail ``check``
+    with a message that contains ``says`` (a phrase that tells this mistake apart from the others)."""
+
+    label: str
+    old: str
+    new: str
+    check: str
+    says: str
 
 
 @dataclass
@@ -291,7 +328,14 @@ def grade_file(exercise: Exercise, path: str | os.PathLike) -> Report:
             return Report(exercise, shown, "did not load", reason=str(error))
         outcomes: list[Outcome] = []
         stop = None
-        for check in exercise.checks():
+        checks = exercise.checks()
+        said = delegations(submission.path, shown, submission.module, exercise.refuses, exercise.where_taught)
+        if said:
+            # The checks would grade someone else's code: none runs.
+            own = Check("own-work", "your own code, not a ready-made one", lambda sub: None, basic=True)
+            outcomes.append(Outcome(own, "failed", "\n".join(said)))
+            stop = own.id
+        for check in checks:
             if stop is not None:
                 outcomes.append(Outcome(check, "skipped", f"not run: `{stop}` failed first"))
                 continue

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ckpt_lab.exercises._delegation import CHECKPOINTS
 from ckpt_lab.exercises._feedback import Tracker, compare_gradients, listing, logged_runs, size
 from ckpt_lab.exercises._grading import Check, Exercise, Submission
 from ckpt_lab.instruments import CallCounter
@@ -268,4 +269,5 @@ EXERCISE = Exercise(
     "detached inputs, dropout masks and the caller's random stream",
     required=("CheckpointFunction",),
     checks=checks,
+    refuses=CHECKPOINTS,
 )

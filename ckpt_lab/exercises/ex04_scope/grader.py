@@ -10,11 +10,13 @@ the block. It is graded by the very checks the package's two scopes pass in the 
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ckpt_lab.exercises._delegation import CHECKPOINTS
 from ckpt_lab.exercises._grading import Check, Exercise, Submission
 
 
@@ -53,7 +55,8 @@ def checks() -> list[Check]:
     ]
 
 
-EXERCISE = Exercise(
+# Graded by the scope's mechanism checks (ckpt_lab.scope_checks), where they exist.
+EXERCISE: Exercise | None = Exercise(
     name="04-scope",
     notebook="04",
     section="§3 and §4",
@@ -62,4 +65,8 @@ EXERCISE = Exercise(
     "store, tensors used after the scope, dropout, enclosing hooks, nesting, exceptions, hooks released",
     required=("gradient_checkpoint_scope",),
     checks=checks,
+    refuses=CHECKPOINTS,
+    reference="ckpt_lab.scope_core",
 )
+if importlib.util.find_spec("ckpt_lab.scope_checks") is None:
+    EXERCISE = None

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ckpt_lab.exercises._delegation import CHECKPOINTS
 from ckpt_lab.exercises._feedback import (
     Tracker,
     compare_gradients,
@@ -27,7 +28,7 @@ from ckpt_lab.exercises._feedback import (
     state_left_behind,
 )
 from ckpt_lab.exercises._grading import Check, Exercise, Submission, error_text
-from ckpt_lab.exercises.ex02_checkpoint_function import _block, _dropout_step, _grads, _input
+from ckpt_lab.exercises.ex02_checkpoint_function.grader import _block, _dropout_step, _grads, _input
 from ckpt_lab.instruments import CallCounter, global_state
 
 
@@ -299,4 +300,5 @@ EXERCISE = Exercise(
     "backward, gradients bit for bit (twice, autograd.grad, frozen input, dropout), no hook left on error",
     required=("checkpoint",),
     checks=checks,
+    refuses=CHECKPOINTS,
 )

@@ -131,4 +131,6 @@ EXERCISE = Exercise(
     f"(20,004 without), the gradient within {RTOL:g}, unpack's shape, dtype and device",
     required=("pack", "unpack"),
     checks=checks,
+    # ready-made offloading pairs
+    refuses=("torch.autograd.graph.save_on_cpu", "ckpt_lab.offload"),
 )

@@ -216,4 +216,6 @@ EXERCISE = Exercise(
     "package's model of the rule",
     required=("PREDICTIONS", "WHY"),
     checks=checks,
+    # the package's model of the rule answers the predictions
+    refuses=("ckpt_lab.grad_rule",),
 )

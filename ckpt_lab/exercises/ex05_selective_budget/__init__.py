@@ -1,0 +1,1 @@
+"""Exercise 05: grader.py, stub.py, solution.py, mistakes.py (see ckpt_lab/exercises/__init__.py)."""
