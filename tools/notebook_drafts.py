@@ -4,7 +4,7 @@ Notebook 04 builds the scope in four drafts, (a) to (d), in code cells tagged ``
 (``# %% tags=["04-scope-draft"]`` in the paired script); a later draft redefines what it changes
 (``Replayer``, ``gradient_checkpoint_scope``, ``scope_tensor_died``). Assembled in the notebook's order, each
 name kept at its last definition only, they are the reference solution
-(``ckpt_lab/exercises/solutions/04_scope.py``): tests/test_notebook_drafts.py grades the assembly and
+(``ckpt_lab/exercises/ex04_scope/solution.py``): tests/test_notebook_drafts.py grades the assembly and
 checks that the solution is it. After editing a draft in ``notebooks/src/04_checkpoint_scope.py``:
 
     python3 tools/notebook_drafts.py          # rewrite the solution from the notebook's drafts
@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "src" / "04_checkpoint_scope.py"
-SOLUTION = ROOT / "ckpt_lab" / "exercises" / "solutions" / "04_scope.py"
+SOLUTION = ROOT / "ckpt_lab" / "exercises" / "ex04_scope" / "solution.py"
 TAG = "04-scope-draft"
 HEADER = '''"""Exercise 04-scope, reference solution: notebook 04's drafts (a) to (d), assembled.
 

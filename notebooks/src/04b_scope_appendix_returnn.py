@@ -278,6 +278,28 @@ versus(outside_buffer)
 run_peer("buf", outside_buffer)
 
 # %% [markdown]
+# A tensor our entry *stores* (not a scope tensor) and then written in place: autograd checks a
+# saved tensor's version only without hooks (`SavedVariable::unpack`: "If user provides hooks, we
+# can't track versions through the hooks"), so `Stored` keeps the version and raises autograd's own
+# error, in its words (exercise 04b-scope looks for them):
+
+# %%
+def written_after_saved(scope):
+    a, c = leaves((10,), (10,))
+    with scope():
+        x = a.sin()
+    b = c * 1
+    y = x * b  # saves b: not a scope tensor
+    with torch.no_grad():
+        b.add_(1)
+    try:
+        y.sum().backward()
+        return "no error: the gradients use b's new values"
+    except RuntimeError as error:
+        return f"RuntimeError: {str(error).split(':')[0]}"
+versus(written_after_saved)
+
+# %% [markdown]
 # ## 7. One replay per backward
 #
 # The first unpack replays once and keeps what every live reference wants; a second backward starts
@@ -619,6 +641,15 @@ print(raising(gradient_checkpoint_scope), "| clean:", assert_clean())
 
 # %%
 run_peer("exception", raising)
+
+# %% [markdown]
+# **Your turn.** Exercise `04b-scope`: copy your `04-scope` solution into `exercises/04b_scope.py` and
+# make it pass the checks this appendix teaches; each failure names its section.
+
+# %%
+from ckpt_lab.exercises import check
+
+check("04b-scope", "exercises/04b_scope.py")
 
 # %% [markdown]
 # ## 12. Speed

@@ -1,0 +1,46 @@
+"""Notebook 04 teaches what exercise 04-scope grades: its draft cells (tagged ``04-scope-draft``),
+assembled into one file as a learner would type them, pass ``04-scope``, and are its reference
+solution (``ckpt_lab/exercises/ex04_scope/solution.py``, written by ``tools/notebook_drafts.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from ckpt_lab.exercises import exercise, grade
+from ckpt_lab.instruments import assert_no_global_state
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("notebook_drafts", ROOT / "tools" / "notebook_drafts.py")
+assert _spec is not None and _spec.loader is not None
+drafts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(drafts)
+
+
+def test_the_notebook_has_the_four_drafts_in_cells_a_learner_can_read() -> None:
+    cells = drafts.draft_cells(drafts.NOTEBOOK.read_text())
+    assert len(cells) >= 4
+    assert max(len(cell.strip().splitlines()) for cell in cells) <= 30  # the notebooks' cell limit
+
+
+def test_the_assembled_drafts_pass_exercise_04_scope(tmp_path: Path) -> None:
+    path = tmp_path / "04_scope.py"
+    path.write_text(drafts.assemble(drafts.NOTEBOOK.read_text()))
+    report = grade("04-scope", path)
+    assert report.passed, str(report)
+    assert_no_global_state()
+
+
+def test_the_reference_solution_is_the_assembled_drafts() -> None:
+    solution = exercise("04-scope").solution_path
+    assert solution == drafts.SOLUTION
+    assert solution.read_text() == drafts.assemble(drafts.NOTEBOOK.read_text()), (
+        "ex04_scope/solution.py differs from notebook 04's drafts: run python3 tools/notebook_drafts.py"
+    )
+
+
+def test_every_04_scope_failure_names_a_section_of_notebook_04() -> None:
+    for check in exercise("04-scope").checks():
+        assert check.teaches.startswith("§"), check.id
+    for check in exercise("04b-scope").checks():
+        assert check.teaches.startswith("§"), check.id
