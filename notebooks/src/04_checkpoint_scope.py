@@ -38,9 +38,7 @@
 # 3. build the scope in four drafts, and say when its hooks go (checked: exercise `04-scope`, §3.4's stacks);
 # 4. read what is alive at the peak, by role (checked: §5's prediction and ledgers).
 #
-# Sections: §1 the dispatch mode; §2 scope versus checkpoint; §3 the drafts; §4 the exercise; §5 a
-# chain's peak; §6 a GPU; §7 the limits. [04b](04b_scope_appendix_returnn.ipynb) (optional): what
-# `scope.py` adds, and RETURNN's scope case by case.
+# [04b](04b_scope_appendix_returnn.ipynb) (optional): what `scope.py` adds, RETURNN's scope case by case.
 #
 # Terms: the [glossary](glossary.md) ([scope](glossary.md#scope), [pack and unpack
 # hooks](glossary.md#pack-unpack), [peak](glossary.md#peak)). The
@@ -74,8 +72,7 @@ print("torch", torch.__version__)
 # %% [markdown]
 # Helpers, not the lesson. The saved-tensors-hooks stack has no public reader: `hooks_stack` pops it
 # and pushes it back with torch's private `_pop/_push/_top_saved_tensors_default_hooks` (what
-# `saved_tensors_hooks` calls; §3's drafts use them too). `ckpt_lab.gradient_checkpoint_scope` is the
-# package's scope; §3 writes its own.
+# `saved_tensors_hooks` calls). `ckpt_lab.gradient_checkpoint_scope` is the package's scope.
 
 # %%
 def hooks_stack():  # bottom first, each entry described
@@ -101,8 +98,7 @@ def log_pack(t):  # a user's pack hook
 # autocast's and autograd's keys first, then `Python`, where a `TorchDispatchMode` runs, then the
 # kernel's (`CPU`, `CUDA`). So a mode sees ops **below autograd and above the kernels**, and only ops that
 # reach that far: a *composite* op (registered as `CompositeImplicitAutograd`, like `aten::linear`)
-# has already decomposed into others at the autograd key. (The class lives in
-# `torch.utils._python_dispatch`, a private-looking module; the class itself is documented.)
+# has already decomposed into others at the autograd key.
 
 # %%
 class LoggingMode(TorchDispatchMode):
@@ -386,9 +382,8 @@ compare(gradient_checkpoint_scope)
 # generator (the default, or the `torch.Generator` passed to it) to the state recorded in the forward,
 # and afterwards puts every generator back (a fork, like `fork_rng` in torch's checkpoint).
 #
-# It also refuses a tensor written in place *after* autograd saved it. Autograd refuses that by the
-# saved tensor's version (notebook 03 §1), but hooks bypass its check, and the tensor may be gone by
-# backward: the tape knows that the slot's last write came after the reference (`saved_at`).
+# It also refuses a tensor written in place *after* autograd saved it, as autograd does (notebook 03
+# §1); the tensor may be gone by backward, but the tape knows the slot's last write (`saved_at`).
 
 # %% tags=["04-scope-draft"]
 class Replayer:  # the first unpack of a backward replays the tape; the others take from that replay
@@ -551,12 +546,10 @@ print("versions after x.mul_(3): x", x._version, "| x.detach() made above autogr
 # %% [markdown]
 # ### 3.5 From draft (d) to the package's core (a read-along)
 #
-# `ckpt_lab/scope_core.py` is draft (d) grown, in the same names and parts. It adds, as 04b teaches
-# (exercise `04b-scope`): `ResidentHooks` per thread and a release after backward (§1, §11);
-# `storage_slot` for views (§4); inputs' versions, writes to inputs and each replayed tensor's
-# shape checked (§5, §6, §9); autograd's own version check in `Stored` (§6); a replay that lets each
-# tensor go once handed out (§7, §8); nothing done inside a checkpoint, autocast off, every device's
-# generator (§2, §10). `ckpt_lab/scope.py` is the core hardened, measured from §5 on.
+# `ckpt_lab/scope_core.py` is draft (d) grown, in the same names and parts; 04b teaches what it adds
+# (exercise `04b-scope`): per-thread `ResidentHooks`, a release after backward, `storage_slot` for
+# views, inputs' versions and each replayed tensor's shape checked, tensors let go once handed out,
+# nothing done inside a checkpoint. `ckpt_lab/scope.py`, the core hardened, is measured from §5 on.
 
 # %%
 print("ckpt_lab/scope_core.py:", len(inspect.getsource(scope_core).splitlines()), "lines")
@@ -637,8 +630,8 @@ for name in ("checkpoint per block", "scope per block"):
 # 3. **Block 4's backward** replays GELU's output and the mask from `addmm`; its Linear unpacks `h3`:
 #    scope 3 replays; and so on.
 #
-# The checkpoint keeps `h1`–`h4`; its peak, also 8, is those 4 beside the loss's 4 temporaries. The
-# core replays everything at once, 10 (04b §8 compares them).
+# The checkpoint's peak: `h1`–`h4` beside the loss's 4 temporaries. The core replays all at once
+# (04b §8).
 
 # %% [markdown]
 # ## 6. On a GPU

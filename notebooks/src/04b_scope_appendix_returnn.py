@@ -15,10 +15,9 @@
 # # 04b · Appendix (optional): what `scope.py` adds to the core, and why
 #
 # **Optional.** [Notebook 04](04_checkpoint_scope.ipynb) builds the scope's core,
-# `ckpt_lab/scope_core.py`. The shipped `ckpt_lab/scope.py` is the same four parts hardened; each
-# section below is one of its `NOTE [ ... ]`s: what the core does, what `scope.py` adds, and a case
-# measured with both. Cases also run the peer, RETURNN's own `gradient_checkpoint_scope`, which keeps
-# its hooks beyond the `with` block by **monkey-patching** `saved_tensors_hooks.__enter__`/`__exit__`.
+# `ckpt_lab/scope_core.py`; `ckpt_lab/scope.py` is it hardened. Each section: what the core does,
+# what `scope.py` adds, a case measured with both, and often the peer, RETURNN's scope, which keeps
+# its hooks by **monkey-patching** `saved_tensors_hooks.__enter__`/`__exit__`.
 #
 # **TL;DR.** The core refuses what `scope.py` handles (`inference_mode`, a Parameter built in the
 # scope, writes to outside tensors), replays every op and keeps every input. On a chain of scoped
@@ -27,25 +26,14 @@
 # releases its hooks by itself (§11); the peer leaves scope tensors alive and hooks behind.
 #
 # **After this appendix you can**
-# 1. name what `scope.py` adds to the core, part by part, and the note that argues each (checked:
-#    each section's core-against-`scope.py` line);
+# 1. name what `scope.py` adds to the core, part by part (checked: each section's measured lines);
 # 2. explain why the scope's peak matches a checkpoint's on a chain and not on a residual stack
 #    (checked: §8's prediction and ledgers);
 # 3. say why ours needs no `exit_saved_tensors_hooks_scope()` (checked: §11's printed moments).
 #
-# | question (a NOTE of `scope.py`) | section |
-# |---|---|
-# | Per-thread state; nested scopes (A.3)? A scope inside a checkpoint (A.8)? | §1, §2 |
-# | What the tape leaves out? What "born in the scope" means? | §3, §4 |
-# | Inputs kept, not recomputed? Outside tensors written in place (A.6)? | §5, §6 |
-# | One replay per backward? The first replay of a backward; a residual stack (M.2)? | §7, §8 |
-# | What a replay refuses (A.7)? Random ops, RNG and autocast; a GPU (M.3)? | §9, §10 |
-# | Hooks that outlive the block, safe points (M.1, A.1, A.2, A.4, A.5)? Speed? | §11, §12 |
-#
-# The peer is a pinned dependency (`returnn==1.20261022.211313` in requirements.txt): its cells run,
-# and nbval re-checks their outputs, like every other cell. `run_peer` reports what the peer returned
-# or raised and what it left behind, then puts the global state back, the peer's own registry
-# included. Terms: [glossary](glossary.md) ([graph task](glossary.md#graph-task),
+# The peer (`returnn==1.20261022.211313`, pinned in requirements.txt) runs in every peer cell, and
+# nbval re-checks the outputs; `run_peer` reports what it returned, raised and left behind, then
+# cleans up. Terms: [glossary](glossary.md) ([graph task](glossary.md#graph-task),
 # [safe point](glossary.md#safe-point), [peak](glossary.md#peak)).
 
 # %%
@@ -278,23 +266,20 @@ versus(outside_buffer)
 run_peer("buf", outside_buffer)
 
 # %% [markdown]
-# A tensor our entry *stores* (not a scope tensor) and then written in place: autograd checks a
-# saved tensor's version only without hooks (`SavedVariable::unpack`: "If user provides hooks, we
-# can't track versions through the hooks"), so `Stored` keeps the version and raises autograd's own
-# error, in its words (exercise 04b-scope looks for them):
+# A tensor our entry *stores*, then written in place: autograd checks versions only without hooks
+# (`SavedVariable::unpack`: "If user provides hooks, we can't track versions through the hooks"), so
+# the stored tensor keeps its version and its unpack raises autograd's own error, in its words:
 
 # %%
 def written_after_saved(scope):
-    a, c = leaves((10,), (10,))
+    a, b = leaves((10,), (10,))
     with scope():
         x = a.sin()
-    b = c * 1
-    y = x * b  # saves b: not a scope tensor
+    y = x * (b := b * 1)  # saves b: not a scope tensor
     with torch.no_grad():
         b.add_(1)
     try:
-        y.sum().backward()
-        return "no error: the gradients use b's new values"
+        return y.sum().backward() or "no error: the gradients use b's new values"
     except RuntimeError as error:
         return f"RuntimeError: {str(error).split(':')[0]}"
 versus(written_after_saved)
@@ -327,7 +312,9 @@ versus(ops_in_backward)
 # ## 8. The first replay of a backward; a residual stack (M.2)
 #
 # Notebook 04 §5's chain: four MLP blocks, a scope per block, loss `h.square().mean()`, measured by
-# `explain` (unit: one block boundary).
+# `explain` (unit: one block boundary): one step under the package's memory instruments, its
+# retained bytes, peak and peak ledger (every storage alive at the peak, by role); notebook
+# [07](07_why_memory_did_not_drop.ipynb) introduces it.
 
 # %%
 unit = 16 * 256 * 4  # one block boundary of the MLP chain
@@ -643,22 +630,16 @@ print(raising(gradient_checkpoint_scope), "| clean:", assert_clean())
 run_peer("exception", raising)
 
 # %% [markdown]
-# **Your turn.** Exercise `04b-scope`: copy your `04-scope` solution into `exercises/04b_scope.py` and
-# make it pass the checks this appendix teaches; each failure names its section.
-
-# %%
-from ckpt_lab.exercises import check
-
-check("04b-scope", "exercises/04b_scope.py")
+# **Your turn.** Exercise `04b-scope`: your `04-scope` solution in `exercises/04b_scope.py`, made to
+# pass what this appendix teaches; grade it with `check("04b-scope", "exercises/04b_scope.py")`
+# (`from ckpt_lab.exercises import check`) in a cell of your own.
 
 # %% [markdown]
 # ## 12. Speed
 #
-# The tape runs once per forward op, the replay once per op it re-runs: NOTE [ Speed ], at the end
-# of `scope.py`, lists the shortcuts (a)–(n) that spare Python calls there (cached schema facts,
-# `__slots__`, an op's C++ entry point called directly, Dynamo told once to skip the mode), each
-# cited where the code takes it. None changes what is recorded or replayed; the benchmark's scope
-# rows (README) measure them.
+# NOTE [ Speed ], at the end of `scope.py`, lists the shortcuts that spare Python calls per op
+# (cached schema facts, `__slots__`, an op's C++ entry point called directly), each cited where the
+# code takes it; none changes what is recorded or replayed (the README's scope rows measure them).
 #
 # ## Summary
 #
@@ -676,7 +657,7 @@ check("04b-scope", "exercises/04b_scope.py")
 # | RNG, autocast | per random op | every device at entry | §10 |
 # | hooks, safe points | resident entry, release | fast paths, hooks disabled | §11 |
 #
-# The peer, as its outputs above show (returnn 1.20261022.211313, re-checked by nbval):
+# The peer, as its outputs above show (returnn 1.20261022.211313):
 #
 # | case | ours | peer |
 # |---|---|---|
