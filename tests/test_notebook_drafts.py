@@ -5,6 +5,7 @@ solution (``ckpt_lab/exercises/ex04_scope/solution.py``, written by ``tools/note
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 from ckpt_lab.exercises import exercise, grade
@@ -44,3 +45,17 @@ def test_every_04_scope_failure_names_a_section_of_notebook_04() -> None:
         assert check.teaches.startswith("§"), check.id
     for check in exercise("04b-scope").checks():
         assert check.teaches.startswith("§"), check.id
+
+
+def test_04b_stores_the_peers_own_results_and_no_notebook_says_not_installed() -> None:
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    assert not [p.name for p in notebooks if "not installed" in p.read_text()]
+    cells = json.loads((ROOT / "notebooks" / "04b_scope_appendix_returnn.ipynb").read_text())["cells"]
+    code = [c for c in cells if c["cell_type"] == "code"]
+    printed = ["".join(o.get("text", "")) for c in code for o in c.get("outputs", [])]
+    assert any(text.startswith("peer: returnn 1.20261022.211313") for text in printed)
+    peer_cells = [c for c in code if "".join(c["source"]).startswith("run_peer(")]
+    assert len(peer_cells) >= 6
+    assert all("(peer):" in "".join(c["outputs"][-1].get("text", "")) for c in peer_cells)
+    # nbval re-checks them: no peer cell ignores its output.
+    assert not [c for c in peer_cells if "nbval-ignore-output" in c.get("metadata", {}).get("tags", [])]

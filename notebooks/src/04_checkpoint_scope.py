@@ -24,7 +24,7 @@
 # y = x * c          # x is not stored: backward re-runs a + b
 # ```
 #
-# * A `TorchDispatchMode` records the scope's [aten ops](glossary.md#aten-op) on a tape; a pack hook
+# * A `TorchDispatchMode` records the scope's aten ops on a tape; a pack hook
 #   stores a reference instead of a tensor the scope made; the first unpack of a backward replays the
 #   tape. `x * c` runs *after* the `with` block, so the hook must outlive it, on a stack where every
 #   `__exit__` pops whatever is on top: the scope rebuilds the stack, and restores it when its last
