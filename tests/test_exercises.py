@@ -279,6 +279,95 @@ def test_check_grades_a_class_and_sums_up(tmp_path: Path, capsys) -> None:
     assert summary[0].split()[:3] == ["PASSED", "(4", "of"] and summary[1].split()[0] == "NOT"
 
 
+# --------------------------------------------------------------------- a grader a class can run unattended
+def _file(folder: Path, name: str, text: str) -> str:
+    path = folder / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_sys_exit_in_a_learners_file_never_passes(tmp_path: Path, capsys) -> None:
+    at_import = _file(tmp_path, "at_import.py", "import sys\n\nsys.exit(0)\n")
+    assert main(["check", "02b", at_import]) == 2
+    assert "DID NOT LOAD: the file exited (SystemExit(0)) while it loads, at " in capsys.readouterr().out
+    exits = {
+        "__import__('sys').exit(0)": "exited (SystemExit(0)) at ",
+        "exit()": "exited (SystemExit(None)) at ",
+        "__import__('os')._exit(0)": "called os._exit(0) at ",
+        "raise KeyboardInterrupt": "raised KeyboardInterrupt at ",
+        "raise GeneratorExit": "raised GeneratorExit at ",
+    }
+    for i, (call, says) in enumerate(exits.items()):
+        path = _file(tmp_path, f"inside_{i}.py", f"def choose_segments(n, a, limit):\n    {call}\n")
+        assert main(["check", "02b", path]) == 1, call
+        out = capsys.readouterr().out
+        assert says + f"{path}:2 (in choose_segments)" in out and "FAILED: 0 of 4" in out, out
+    assert_no_global_state()
+
+
+def test_a_file_that_does_not_load_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    solution = exercise("02b").solution_path.read_text()
+    (tmp_path / "folder").mkdir()
+    cases = {
+        _file(tmp_path, "notes.txt", solution): "is not a Python file: its name must end in .py",
+        str(tmp_path / "missing.py"): "no such file: ",
+        str(tmp_path / "folder"): "is a folder: give the learner's .py file",
+        _file(tmp_path, "syntax.py", "def choose_segments(:\n"): "SyntaxError at ",
+        _file(tmp_path, "imports.py", "import no_such_module_here\n"): "ModuleNotFoundError at ",
+    }
+    for path, says in cases.items():
+        assert main(["check", "02b", path]) == 2, path
+        captured = capsys.readouterr()
+        assert captured.out.count("\n") == 1 and "DID NOT LOAD: " in captured.out and says in captured.out
+        assert "Traceback" not in captured.out + captured.err
+
+
+def test_a_runaway_loop_is_stopped_at_the_time_limit(tmp_path: Path, capsys) -> None:
+    # A loop that catches Exception does not catch the time limit.
+    loop = "def choose_segments(n, a, limit):\n    while True:\n        try:\n            pass\n"
+    path = _file(tmp_path, "loop.py", loop + "        except Exception:\n            pass\n")
+    assert main(["check", "02b", path, "--time-limit", "0.5"]) == 1
+    out = capsys.readouterr().out
+    assert f"Stopped after 0.5 s, the time limit of a check: your code was still running at {path}:" in out
+    assert "An endless loop?" in out
+    at_import = _file(tmp_path, "loop_at_import.py", "while True:\n    pass\n")
+    assert main(["check", "02b", at_import, "--time-limit", "0.5"]) == 2
+    said = "DID NOT LOAD: Stopped after 0.5 s, the time limit: your code was still running. An endless loop?"
+    assert said in capsys.readouterr().out
+    assert_no_global_state()
+
+
+def test_what_the_learners_code_prints_is_captured_and_capped(tmp_path: Path, capsys) -> None:
+    path = _file(tmp_path, "chatty.py", "print('loading')\n\n\ndef choose_segments(n, a, limit):\n"
+                 "    for i in range(10_000):\n        print(i)\n    return 1\n")
+    report = grade("02b", path)
+    printed = report.outcomes[0].printed.splitlines()
+    assert printed[:3] == ["0", "1", "2"] and len(printed) == 11
+    # 48,890 characters per call of choose_segments; the check calls it once per case.
+    total = int(printed[-1].removeprefix("... (").split()[0].replace(",", ""))
+    assert total % 48_890 == 0 and printed[-1].endswith(" characters printed in all; the first shown)")
+    assert "  (printed while loading) loading" in str(report)
+    assert capsys.readouterr().out == ""  # nothing reached the page but the report
+
+
+def test_a_class_ends_with_one_line_per_file_and_writes_a_gradebook(tmp_path: Path, capsys) -> None:
+    import json
+
+    e = exercise("02b")
+    wrong = _file(tmp_path, "wrong.py", "def choose_segments(n, a, limit):\n    return 5\n")
+    files = [str(e.solution_path), wrong, _file(tmp_path, "broken.py", "def choose_segments(:\n")]
+    gradebook = tmp_path / "gradebook.json"
+    assert main(["check", e.name, *files, "--json", str(gradebook)]) == 2
+    summary = capsys.readouterr().out.rstrip("\n").split("summary:\n")[1].splitlines()
+    assert [line.split()[0] for line in summary] == ["PASSED", "FAILED", "DID"]
+    assert [line.split()[-1] for line in summary] == files
+    rows = json.loads(gradebook.read_text())
+    got = [(r["file"], r["checks_passed"], r["checks_total"], r["status"], r["exit_status"]) for r in rows]
+    assert got == [
+        (files[0], 4, 4, "passed", 0), (files[1], 0, 4, "failed", 1), (files[2], 0, 4, "did not load", 2)
+    ]
+
+
 def test_python_dash_m_runs_the_command_line() -> None:
     out = subprocess.run([sys.executable, "-m", "ckpt_lab.exercises", "list"], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout  # fmt: skip

@@ -37,9 +37,18 @@ import os
 import types
 from pathlib import Path
 
-from ckpt_lab.exercises._grading import Check, Exercise, Outcome, Report, grade_file, load_any
+from ckpt_lab.exercises._grading import (
+    DEFAULT_TIME_LIMIT,
+    Check,
+    Exercise,
+    Outcome,
+    Report,
+    grade_file,
+    load_any,
+)
 
 __all__ = [
+    "DEFAULT_TIME_LIMIT",
     "EXERCISES",
     "Check",
     "Exercise",
@@ -77,9 +86,10 @@ def exercise(name: str) -> Exercise:
     raise KeyError(f"no exercise {name!r}; the exercises are: {', '.join(EXERCISES)}")
 
 
-def grade(name: str, path: str | os.PathLike) -> Report:
-    """Grade the file ``path`` for exercise ``name``; ``str(report)`` is the feedback."""
-    return grade_file(exercise(name), path)
+def grade(name: str, path: str | os.PathLike, time_limit: float | None = DEFAULT_TIME_LIMIT) -> Report:
+    """Grade the file ``path`` for exercise ``name``; ``str(report)`` is the feedback. Each check is
+    stopped after ``time_limit`` seconds (None: no limit), and reported as a runaway loop."""
+    return grade_file(exercise(name), path, time_limit)
 
 
 def load_file(path: str | os.PathLike) -> types.ModuleType:
@@ -92,9 +102,9 @@ def load_file(path: str | os.PathLike) -> types.ModuleType:
     return load_any(path)
 
 
-def check(name: str, path: str | os.PathLike) -> None:
+def check(name: str, path: str | os.PathLike, time_limit: float | None = DEFAULT_TIME_LIMIT) -> None:
     """Grade the file and print the report (the "Your turn" cells of the notebooks call this)."""
-    print(grade(name, path))
+    print(grade(name, path, time_limit))
 
 
 def write_stubs(folder: str | os.PathLike, names: list[str] | None = None, force: bool = False) -> list[Path]:

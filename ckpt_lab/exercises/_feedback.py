@@ -297,3 +297,34 @@ def logged_runs(module: torch.nn.Module) -> Iterator[list[bool]]:
         yield modes
     finally:
         handle.remove()
+
+
+@contextlib.contextmanager
+def logged_rng(module: torch.nn.Module) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The CPU generator's state when each call of ``module`` starts and when it returns, in order."""
+    calls: list[list[torch.Tensor]] = []
+    starts = module.register_forward_pre_hook(lambda m, a: calls.append([torch.get_rng_state()]))
+    ends = module.register_forward_hook(lambda m, a, o: calls[-1].append(torch.get_rng_state()))
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        yield pairs
+    finally:
+        starts.remove()
+        ends.remove()
+        pairs += [(c[0], c[-1]) for c in calls]
+
+
+def rng_hint(calls: list[tuple[torch.Tensor, torch.Tensor]], taught: str) -> str:
+    """Why a re-run drew other dropout masks, from the generator's state at the forward's and the
+    re-run's start (``logged_rng``): no snapshot restored, or one taken after the block ran."""
+    if len(calls) >= 2 and torch.equal(calls[1][0], calls[0][1]):
+        return (
+            "The re-run started from the generator's state at the *end* of the forward: your snapshot "
+            "(torch.get_rng_state()) was taken after the block ran, so the re-run drew the numbers that come "
+            f"after the forward's masks. Take it before running the block ({taught})."
+        )
+    return (
+        "The re-run drew new dropout masks: take a snapshot of the random generator before the block "
+        "runs in forward (torch.get_rng_state()) and restore it, inside torch.random.fork_rng(devices=[]), "
+        f"for the re-run ({taught})."
+    )

@@ -9,6 +9,12 @@ of the learner's file it came from; ``NotImplementedError`` means the stub is no
 Around every check the grader reads ``ckpt_lab.instruments.global_state()`` and, if the check left
 hooks, dispatch modes or grad mode behind, says so and puts them back: one check's leftovers never
 spoil the next one's measurements (or the notebook the grader runs in).
+
+Unattended, over a class's files (NOTE [ A grader a class can trust ]): whatever the learner's code
+raises, ``SystemExit`` and ``KeyboardInterrupt`` included, fails that check with a message (a real
+Ctrl-C still stops the grader); each check, and the loading of the file, has a time limit, past
+which a runaway loop is stopped and reported; what the code prints is captured and capped, and
+shown under the check that printed it; a file that does not load is one line.
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
+import io
 import itertools
 import os
+import signal
 import sys
+import threading
 import traceback
 import types
 import warnings
@@ -34,6 +43,7 @@ from ckpt_lab.exercises._feedback import restore_state, state_left_behind
 from ckpt_lab.instruments import global_state
 
 __all__ = [
+    "DEFAULT_TIME_LIMIT",
     "Check",
     "Exercise",
     "LoadError",
@@ -196,8 +206,12 @@ def load(exercise: Exercise, path: str | os.PathLike) -> Submission:
 def load_submission(path: str | os.PathLike) -> Submission:
     shown = str(path)
     resolved = Path(path).resolve()
+    if resolved.is_dir():
+        raise LoadError(f"{shown} is a folder: give the learner's .py file")
     if not resolved.is_file():
         raise LoadError(f"no such file: {shown}")
+    if resolved.suffix != ".py":
+        raise LoadError(f"{shown} is not a Python file: its name must end in .py")
     name = f"_ckpt_lab_exercise_{next(_loaded)}"
     spec = importlib.util.spec_from_file_location(name, resolved)
     assert spec is not None and spec.loader is not None
@@ -208,9 +222,14 @@ def load_submission(path: str | os.PathLike) -> Submission:
         spec.loader.exec_module(module)
     except SyntaxError as error:
         raise LoadError(f"SyntaxError at {shown}:{error.lineno}: {error.msg}") from None
-    except Exception as error:  # anything the file runs at import: report it, never crash the grader
+    except (TimeLimit, _Interrupted):
+        raise
+    except BaseException as error:  # anything it runs at import, sys.exit included: never crash the grader
         where = Submission(module, resolved, shown).line_of(error)
-        raise LoadError(f"{type(error).__name__} at {where or shown}: {error}") from None
+        said = f"{type(error).__name__} at {where or shown}: {error_text(error)}"
+        if isinstance(error, SystemExit):
+            said = f"the file {_exit_call(error)} while it loads, at {where or shown}: remove the call"
+        raise LoadError(said) from None
     finally:
         sys.modules.pop(name, None)
     return Submission(module, resolved, shown)
@@ -222,6 +241,7 @@ class Outcome:
     check: Check
     status: str  # "passed", "failed", "todo" (the learner's code raised NotImplementedError), "skipped"
     message: str = ""
+    printed: str = ""  # what the learner's code printed during the check, capped
 
 
 @dataclass
@@ -233,6 +253,7 @@ class Report:
     status: str  # "passed", "failed", "not implemented", "did not load"
     outcomes: list[Outcome] = field(default_factory=list)
     reason: str = ""  # for "not implemented" and "did not load"
+    printed: str = ""  # what the file printed while it loaded, capped
 
     @property
     def passed(self) -> bool:
@@ -254,7 +275,10 @@ class Report:
         lines = [f"{self.exercise.name}: {self.shown}"]
         taught = self.exercise.where_taught
         if self.status == "did not load":
-            return "\n".join([*lines, f"DID NOT LOAD: {self.reason}"])
+            # One line, whatever the reason said: a class's log reads one file per line.
+            return f"{lines[0]}: DID NOT LOAD: {' '.join(self.reason.split())}"
+        if self.printed:
+            lines += [f"  (printed while loading) {line}" for line in self.printed.splitlines()]
         if self.status == "not implemented":
             return "\n".join(
                 [*lines, f"NOT IMPLEMENTED YET: {self.reason}",
@@ -267,6 +291,8 @@ class Report:
             lines.append(f"  {mark} {o.check.title}")
             if o.message:
                 lines += [f"            {line}" if line else "" for line in o.message.splitlines()]
+            if o.printed:
+                lines += [f"            (printed) {line}" for line in o.printed.splitlines()]
         passed = sum(o.status == "passed" for o in self.outcomes)
         if self.passed:
             lines.append(f"PASSED: all {passed} checks.")
@@ -302,6 +328,10 @@ def _grading() -> Iterator[None]:
 
 def error_text(error: BaseException, limit: int = 400) -> str:
     """The exception's message, cut to ``limit`` characters (a KeyError's message can be a whole tensor)."""
+    if isinstance(error, KeyError) and len(error.args) == 1 and isinstance(error.args[0], torch.Tensor):
+        # Its message would be the tensor's values: say what it is instead.
+        key = error.args[0]
+        return f"the key looked up is a tensor, {str(key.dtype).removeprefix('torch.')}{list(key.shape)}"
     said = str(error).strip() or "(no message)"
     return said if len(said) <= limit else said[:limit].rstrip() + " ..."
 
@@ -321,14 +351,141 @@ def _not_implemented(error: NotImplementedError, submission: Submission) -> str:
     return str(error).strip() or "the file's functions raise NotImplementedError"
 
 
-def grade_file(exercise: Exercise, path: str | os.PathLike) -> Report:
-    """Grade one file: every check in order, each one's leftovers cleared before the next."""
+# NOTE [ A grader a class can trust ]
+# A script grades a class by exit status, so nothing the learner's code does may turn a failure into
+# a pass or stop the grader:
+# * ``SystemExit`` (``sys.exit(0)``, ``exit()``), ``KeyboardInterrupt`` raised by the code, any
+#   ``BaseException``: caught, and the check fails saying so; ``os._exit`` is replaced while the code
+#   runs (it would end the process with the code's status, past every ``except``). A real Ctrl-C
+#   arrives as ``_Interrupted`` (our SIGINT handler's) and stops the grading, as it should;
+# * a loop that never ends: ``SIGALRM`` raises ``TimeLimit`` in it after the limit, and again every
+#   second if the code catches it; it is a ``BaseException``, so ``except Exception`` does not stop
+#   it. Signals reach the main thread only: elsewhere (a grader run on a worker thread), and where
+#   there is no ``SIGALRM`` (Windows), there is no limit: run ``timeout 120 python -m ...`` there;
+# * prints go into a capped buffer and come back under the check that printed them.
+DEFAULT_TIME_LIMIT = 60.0  # seconds per check (and for loading the file): the slowest check takes a few
+PRINTED_LIMIT = 1_000  # characters of a check's prints kept in the report
+PRINTED_LINES = 10
+
+
+class TimeLimit(BaseException):
+    """Raised in the learner's code when it runs past the time limit."""
+
+
+class _Interrupted(KeyboardInterrupt):
+    """A real Ctrl-C (SIGINT) during grading, as opposed to a KeyboardInterrupt the learner's code raised."""
+
+
+class _Exited(SystemExit):
+    """``os._exit(status)`` called by the learner's code (replaced while it runs)."""
+
+
+def _exit(status: int) -> None:
+    raise _Exited(status)
+
+
+class _Capped(io.TextIOBase):
+    """A text stream that keeps the first ``PRINTED_LIMIT`` characters written to it, and counts the rest."""
+
+    def __init__(self) -> None:
+        self.kept: list[str] = []
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        room = PRINTED_LIMIT - sum(map(len, self.kept))
+        if room > 0:
+            self.kept.append(text[:room])
+        self.size += len(text)
+        return len(text)
+
+    def text(self) -> str:
+        lines = [line[:200] + " ..." * (len(line) > 200) for line in "".join(self.kept).splitlines()]
+        more = self.size - sum(map(len, self.kept))
+        said = lines[:PRINTED_LINES]
+        if more > 0 or len(lines) > PRINTED_LINES:
+            said.append(f"... ({self.size:,} characters printed in all; the first shown)")
+        return "\n".join(said)
+
+
+@contextlib.contextmanager
+def _guarded(seconds: float | None) -> Iterator[_Capped]:
+    """Around the learner's code: prints captured, ``os._exit`` replaced, and the time limit armed."""
+    printed = _Capped()
+    on_main = threading.current_thread() is threading.main_thread()
+    alarm = bool(seconds) and hasattr(signal, "setitimer") and on_main
+    armed = [False]
+
+    def expired(signum: int, frame: types.FrameType | None) -> None:
+        if armed[0]:  # not once the code is done: the grader's own lines after it must run
+            raise TimeLimit(seconds)
+
+    def interrupted(signum: int, frame: types.FrameType | None) -> None:
+        raise _Interrupted
+
+    exit_before = os._exit
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        if alarm:
+            previous = signal.signal(signal.SIGALRM, expired), signal.signal(signal.SIGINT, interrupted)
+            armed[0] = True
+            signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
+        os._exit = _exit
+        try:
+            yield printed
+        finally:
+            armed[0] = False
+            os._exit = exit_before
+            if alarm:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous[0])
+                signal.signal(signal.SIGINT, previous[1])
+
+
+def _ran_too_long(error: TimeLimit, submission: Submission | None, seconds: float | None) -> str:
+    where = submission.line_of(error) if submission is not None else None
+    return (
+        f"Stopped after {seconds:g} s, the time limit{' of a check' if submission else ''}: your code was "
+        f"still running{f' at {where}' if where else ''}. An endless loop? (A teacher can raise the limit: "
+        "`--time-limit SECONDS`, or `time_limit=`.)"
+    )
+
+
+def _exited(error: BaseException, submission: Submission) -> str:
+    """What a SystemExit, a KeyboardInterrupt or another BaseException from the learner's code means."""
+    if not isinstance(error, SystemExit):
+        return _raised(error, submission)
+    where = submission.line_of(error)
+    return (
+        f"Your code {_exit_call(error)}{f' at {where}' if where else ''}. A check cannot pass when the code "
+        "exits the program: remove the call (the grader counts it as a failure)."
+    )
+
+
+def _exit_call(error: SystemExit) -> str:
+    if isinstance(error, _Exited):
+        return f"called os._exit({error.code!r})"
+    return f"exited (SystemExit({error.code!r}))"
+
+
+def grade_file(
+    exercise: Exercise, path: str | os.PathLike, time_limit: float | None = DEFAULT_TIME_LIMIT
+) -> Report:
+    """Grade one file: every check in order, each one's leftovers cleared before the next. Each check
+    (and loading the file) is stopped after ``time_limit`` seconds (None: no limit)."""
     shown = str(path)
     with _grading():
         try:
-            submission = load(exercise, path)
+            with _guarded(time_limit) as loading:
+                submission = load(exercise, path)
         except LoadError as error:
             return Report(exercise, shown, "did not load", reason=str(error))
+        except TimeLimit as error:
+            frames = traceback.extract_tb(error.__traceback__)
+            mine = [f"{shown}:{f.lineno}" for f in frames if f.filename == str(Path(path).resolve())]
+            at = f" (at {mine[-1]}, while loading)" if mine else " (while loading)"
+            return Report(exercise, shown, "did not load", reason=_ran_too_long(error, None, time_limit) + at)
         outcomes: list[Outcome] = []
         stop = None
         checks = exercise.checks()
@@ -350,7 +507,8 @@ def grade_file(exercise: Exercise, path: str | os.PathLike) -> Report:
             message = None
             todo = None
             try:
-                check.run(submission)
+                with _guarded(time_limit) as printed:
+                    check.run(submission)
             except NotImplementedError as error:
                 todo = _not_implemented(error, submission)
                 message = f"not implemented yet: {todo}"
@@ -358,6 +516,12 @@ def grade_file(exercise: Exercise, path: str | os.PathLike) -> Report:
                 message = str(error) or "failed (no message)"
             except Exception as error:  # the learner's code failed: say where, in their file
                 message = _raised(error, submission)
+            except TimeLimit as error:
+                message = _ran_too_long(error, submission, time_limit)
+            except _Interrupted:
+                raise
+            except BaseException as error:  # SystemExit, KeyboardInterrupt, ...: a failure, never a pass
+                message = _exited(error, submission)
             # What makes a basic check stop the rest: its own failure, not leftovers (said, and undone).
             own_failure = message is not None
             if own_failure and todo is None and check.teaches:
@@ -370,7 +534,7 @@ def grade_file(exercise: Exercise, path: str | os.PathLike) -> Report:
                 if "left behind" not in (message or "").lower():
                     message = "\n".join(filter(None, [message, left]))
             status = "passed" if message is None else "todo" if todo is not None else "failed"
-            outcomes.append(Outcome(check, status, message or ""))
+            outcomes.append(Outcome(check, status, message or "", printed.text()))
             if own_failure and check.basic:
                 stop = check.id
         todos = list(
@@ -380,6 +544,7 @@ def grade_file(exercise: Exercise, path: str | os.PathLike) -> Report:
         )
         if todos and all(o.status in ("todo", "skipped") for o in outcomes):
             # Nothing filled in yet: the short report, the same every time for an untouched stub.
-            return Report(exercise, shown, "not implemented", outcomes, reason="; ".join(todos) + ".")
+            return Report(exercise, shown, "not implemented", outcomes, reason="; ".join(todos) + ".",
+                          printed=loading.text())
         status = "passed" if all(o.status == "passed" for o in outcomes) else "failed"
-        return Report(exercise, shown, status, outcomes)
+        return Report(exercise, shown, status, outcomes, printed=loading.text())

@@ -21,19 +21,19 @@
 # 2. it runs `forward` with grad mode and forward-mode AD **off**: results inside have
 #    `requires_grad=False`;
 # 3. it **wraps the outputs**: if executable, each differentiable output gets the Function's
-#    backward node as `grad_fn` (so `requires_grad=True` outside); if not, nothing is attached or saved.
+#    backward node as `grad_fn` (so `requires_grad=True` outside); what happens when it is not is
+#    §2's prediction.
 #
 # The reentrant [checkpoint](glossary.md#checkpoint) (`use_reentrant=True`; torch 2.13 warns and
 # runs it when `use_reentrant` is omitted) is such a Function. Grad is off in `forward` because `backward` replaces the graph
-# `forward` would build: skipping it saves the graph's nodes, saved tensors and forward peak, not
-# what is kept after `apply` returns.
+# `forward` would build: skipping it spares building that graph (what it spares in bytes, and
+# when, is §4's prediction).
 #
 # **After this notebook you can**
 #
 # 1. predict whether a custom Function's outputs require grad, from grad mode, its tensor
 #    arguments and its outputs (checked: §2's prediction, §3's assert against torch, exercise 01);
-# 2. name the C++ steps of `apply` that decide it, in order (checked: §2's probe: grad off inside
-#    `forward`, 0 saves when not executable);
+# 2. name the C++ steps of `apply` that decide it, in order (checked: §2's prediction and probe);
 # 3. say what a grad-off `forward` saves and what it does not (checked: §4's prediction and table);
 # 4. tell why a reentrant checkpoint's output requires grad only when an input does, and a
 #    non-reentrant one's also when a parameter does (checked: §5's cells; exercise 01, cases h and i).
@@ -108,8 +108,10 @@ print("gradients equal nn.functional.linear's:", all(map(torch.allclose, grads, 
 # %% [markdown]
 # ## 2. What `apply` does, in order
 #
-# A probe Function records grad mode and forward-mode-AD mode (behind `torch.autograd.forward_ad`)
-# inside `forward`, and calls `save_for_backward(x)`. `torch._C._is_fwd_grad_enabled` is private
+# Forward-mode AD is autograd's other mode: instead of recording a graph for a later backward, it
+# carries a tangent (a directional derivative) beside each value as the forward runs, through "dual
+# tensors" (`torch.autograd.forward_ad`); `apply` switches it off inside `forward` as it does grad
+# mode. A probe Function records both modes inside `forward`, and calls `save_for_backward(x)`. `torch._C._is_fwd_grad_enabled` is private
 # torch API: no public function reads that mode, and we only read it. `SavedTensorLog` (a
 # [pack hook](glossary.md#pack-unpack) logging every [saved tensor](glossary.md#saved-tensor))
 # counts the saves, with an input that requires grad and with one that does not.
@@ -358,15 +360,14 @@ print("gradient equals autograd's:", torch.allclose(torch.autograd.grad(y.sum(),
                                                     torch.autograd.grad(sin4(x).sum(), x)[0]))
 
 # %% [markdown]
-# `set_history` *replaced* the output's `grad_fn` (`SinBackward0`) with the Function's node: the
-# inner graph has no owner left. Side by side: saves and [aten ops](glossary.md#aten-op) during
+# Side by side: saves and [aten ops](glossary.md#aten-op) during
 # `apply` (`SavedTensorLog`, `OpCounter`), live bytes during `apply` (`LiveMemory`: every
 # [storage](glossary.md#storage) an aten op creates, until freed; its most is "peak in apply"), and
 # `measure_memory` over the step: [retained](glossary.md#retained) after the forward and the
 # [peak](glossary.md#peak) over forward and backward.
 #
-# **Predict.** The grad-on draft saves four more tensors, and `set_history` then drops its inner
-# graph. How many bytes does it retain after the forward (grad off: 4, the loss)?
+# **Predict.** The grad-on draft's four `sin`s record a graph inside `forward`. How many bytes does
+# it retain after the forward (grad off: 4, the loss)?
 
 # %%
 guess = None  # your guess: a number of bytes
@@ -389,6 +390,9 @@ for name, fn in variants.items():
 reveal(guess, steps["draft: grad on inside"].retained_bytes, "bytes the grad-on draft retains")
 
 # %% [markdown]
+# `set_history` *replaced* the output's `grad_fn` (`SinBackward0`, printed above) with the
+# Function's node: the inner graph has no owner left.
+#
 # * **Grad off** (`apply`'s way): one save, `x` (400,000 bytes, the caller's tensor); the forward
 #   peaks at two 400,000-byte tensors (one `sin`'s input and output); then only the 4-byte loss is
 #   retained.

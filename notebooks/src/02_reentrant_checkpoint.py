@@ -103,7 +103,12 @@ print("PLAIN\n" + saved_plain.listing() + "\nCHECKPOINT\n" + saved_ckpt.listing(
 # %% [markdown]
 # Plain, each `Linear` and `GELU` saves its input: 8 activations. Checkpointed, **one**: the input
 # `x` (a [leaf](glossary.md#leaf)). That is how `CheckpointFunction` saves memory (albanD: *"It is
-# by only saving for backward the input."*). `measure_memory` reports the bytes
+# by only saving for backward the input."*). What a checkpoint leaves out is these buffers saved
+# for backward, the activations: not the gradients. Backward still computes a gradient for `x` and
+# for every parameter, from activations it recomputes. (The forum thread "Tensor.requires_grad in
+# torch.autograd.Function" asks whether checkpointing works by "omission of gradients during the
+# forward"; the answer corrects it: *"checkpoint will omit intermediary buffers (save_for_backward),
+# not gradients."*) `measure_memory` reports the bytes
 # [retained](glossary.md#retained) after the forward and the [peak](glossary.md#peak) over forward
 # and backward (leaf gradients not counted).
 #

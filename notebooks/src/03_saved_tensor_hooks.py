@@ -29,8 +29,8 @@
 #
 # 1. say what an op saves (its inputs as they are, its output as bare data) and read it back
 #    (checked: §1's assert);
-# 2. say when autograd's in-place check guards a saved tensor, and when hooks switch it off
-#    (checked: §1's prediction);
+# 2. say when autograd's in-place check guards a saved tensor, and whether it still does under
+#    hooks (checked: §3's second prediction);
 # 3. write a pack/unpack pair that meets a byte target with gradients within a tolerance (checked:
 #    exercise 03-pack-unpack, §3);
 # 4. say what offloading and compression cost on a CPU (checked: §3's prediction);
@@ -190,54 +190,8 @@ except RuntimeError as error:
     print("after backward: ", error)
 
 # %% [markdown]
-# The version check holds only without [saved-tensor hooks](glossary.md#pack-unpack) (§2):
-# `SavedVariable::unpack` skips it when hooks are set ("If user provides hooks, we can't track
-# versions through the hooks"): what an unpack hook returns has no saved version to compare.
-#
-# **Predict.** Under hooks whose pack and unpack return the tensor unchanged, does
-# `y = x * 1; z = y.sin(); y.add_(1); z.sum().backward()` still raise?
-
-# %%
-guess = None  # your guess: True (it raises) or False
-
-# %%
-def in_place_after_save(hooks, sin=torch.sin):  # (raises?, is x's gradient cos of the *modified* y?)
-    x = torch.randn(5, requires_grad=True)
-    with hooks:
-        y = x * 1
-        z = sin(y)  # sin saves y
-    y.add_(1)
-    try:
-        z.sum().backward()
-    except RuntimeError:
-        return True, "-"
-    return False, torch.equal(x.grad, y.detach().cos())
-
-in_checkpoint = lambda y: checkpoint(torch.sin, y)  # notebook 03b's checkpoint
-cases = {"no hooks": (nullcontext(), torch.sin),
-         "identity hooks": (saved_tensors_hooks(lambda t: t, lambda t: t), torch.sin),
-         "pack stores a copy": (saved_tensors_hooks(lambda t: t.clone(), lambda t: t), torch.sin),
-         "checkpoint(sin)": (nullcontext(), in_checkpoint),
-         "checkpoint(sin) in save_on_cpu": (save_on_cpu(), in_checkpoint)}
-outcomes = {name: in_place_after_save(*case) for name, case in cases.items()}
-for name, (raised, modified_used) in outcomes.items():
-    print(f"{name:31} raises: {raised!s:5} | gradient is cos(modified y): {modified_used}")
-reveal(guess, outcomes["identity hooks"][0], "error under identity hooks")
-
-# %% [markdown]
-# Without hooks, the error; with identity hooks, no error and a gradient computed from the modified
-# `y`, silently. What it means:
-#
-# * **Offload and compression**: a pack hook that stores a *copy* (a GPU tensor moved to the host, a
-#   smaller dtype, a file) hands backward the value the forward saved: no error, and the gradient of
-#   what the forward computed. One that stores the tensor itself (an identity or logging hook;
-#   `save_on_cpu` on a CPU tensor, where `.cpu()` is the tensor, §3) hands backward the modified
-#   value.
-# * **Every hook-based checkpoint** stores handles, which carry no version either. Ours and torch's
-#   (`_CheckpointFrame.save_inputs` in `torch/utils/checkpoint.py`) keep the check for the block's
-#   *inputs* by saving them as saved tensors outside their own hooks (the `checkpoint(sin)` row
-#   raises); inside an enclosing pair of hooks, an offload or an outer checkpoint, those inputs pass
-#   through that pair and the check is gone (the last row).
+# What becomes of that check once saved-tensor hooks (§2) stand between autograd and the saved
+# tensor is a prediction at the end of §3.
 #
 # ## 2. Pack and unpack hooks
 #
@@ -446,7 +400,62 @@ print("stored in the graph:", type(y.grad_fn._raw_saved_self.data).__name__,
 # unpack hook can produce the values again when backward asks. Returning an empty ticket and
 # **recomputing** in unpack is the non-reentrant checkpoint, the subject of notebook
 # [03b](03b_nonreentrant_checkpoint.ipynb).
+
+# %% [markdown]
+# ### Hooks and autograd's in-place check
 #
+# §1 showed autograd refusing a saved tensor that was modified in place after it was saved. With
+# hooks, autograd stores what pack returns and backward gets what unpack returns.
+#
+# **Predict.** Under hooks whose pack and unpack return the tensor unchanged, does
+# `y = x * 1; z = y.sin(); y.add_(1); z.sum().backward()` still raise?
+
+# %%
+guess = None  # your guess: True (it raises) or False
+
+# %%
+def in_place_after_save(hooks, sin=torch.sin):  # (raises?, is x's gradient cos of the *modified* y?)
+    x = torch.randn(5, requires_grad=True)
+    with hooks:
+        y = x * 1
+        z = sin(y)  # sin saves y
+    y.add_(1)
+    try:
+        z.sum().backward()
+    except RuntimeError:
+        return True, "-"
+    return False, torch.equal(x.grad, y.detach().cos())
+
+in_checkpoint = lambda y: checkpoint(torch.sin, y)  # notebook 03b's checkpoint
+cases = {"no hooks": (nullcontext(), torch.sin),
+         "identity hooks": (saved_tensors_hooks(lambda t: t, lambda t: t), torch.sin),
+         "pack stores a copy": (saved_tensors_hooks(lambda t: t.clone(), lambda t: t), torch.sin),
+         "checkpoint(sin)": (nullcontext(), in_checkpoint),
+         "checkpoint(sin) in save_on_cpu": (save_on_cpu(), in_checkpoint)}
+outcomes = {name: in_place_after_save(*case) for name, case in cases.items()}
+for name, (raised, modified_used) in outcomes.items():
+    print(f"{name:31} raises: {raised!s:5} | gradient is cos(modified y): {modified_used}")
+reveal(guess, outcomes["identity hooks"][0], "error under identity hooks")
+
+# %% [markdown]
+# Without hooks, the error; with identity hooks, no error and a gradient computed from the modified
+# `y`, silently. The version check holds only without [saved-tensor hooks](glossary.md#pack-unpack):
+# `SavedVariable::unpack` skips it when hooks are set ("If user provides hooks, we can't track
+# versions through the hooks"): what an unpack hook returns has no saved version to compare. The
+# last two rows use `ckpt_lab.checkpoint`, whose hooks notebook 03b builds. What it means:
+#
+# * **Offload and compression**: a pack hook that stores a *copy* (a GPU tensor moved to the host, a
+#   smaller dtype, a file) hands backward the value the forward saved: no error, and the gradient of
+#   what the forward computed. One that stores the tensor itself (an identity or logging hook;
+#   `save_on_cpu` on a CPU tensor, where `.cpu()` is the tensor, as above) hands backward the modified
+#   value.
+# * **Every hook-based checkpoint** stores handles, which carry no version either. Ours and torch's
+#   (`_CheckpointFrame.save_inputs` in `torch/utils/checkpoint.py`) keep the check for the block's
+#   *inputs* by saving them as saved tensors outside their own hooks (the `checkpoint(sin)` row
+#   raises); inside an enclosing pair of hooks, an offload or an outer checkpoint, those inputs pass
+#   through that pair and the check is gone (the last row).
+
+# %% [markdown]
 # The exercise's targets, on the same chain: at most 12,004 bytes kept from forward to backward,
 # x's gradient within 1% (relative, in norm) of the one without hooks, and each unpack giving back
 # the shape, dtype and device that were saved.

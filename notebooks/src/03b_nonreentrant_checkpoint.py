@@ -583,7 +583,9 @@ show_dot("digraph { node [shape=box, fontname=Helvetica, fontsize=11]; " + " ".j
 # nesting (§3.4), selective checkpointing (a `context_fn`, notebook 05, refused for the reentrant
 # variant, §6), and `torch.compile`, whose higher-order op checkpoints with `use_reentrant=False`
 # whatever the user passed, and with `preserve_rng_state=False`, leaving the re-run's random numbers
-# to the partitioner's handling of random ops (notebook 08 §2.1). `tag_activation_checkpoint_impl`
+# to the partitioner, which replays them for the random ops inside a checkpoint region: it saves a
+# generator state per random op and restores it in backward (measured in notebook 08 §5; §2.1 there
+# is a different case, the ops its memory budget recomputes outside any region). `tag_activation_checkpoint_impl`
 # in
 # [torch/_higher_order_ops/wrap.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/_higher_order_ops/wrap.py)
 # (a private module: no public name shows the rule) sets both:

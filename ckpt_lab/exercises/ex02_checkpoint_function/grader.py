@@ -22,7 +22,15 @@ import torch
 from torch import nn
 
 from ckpt_lab.exercises._delegation import CHECKPOINTS
-from ckpt_lab.exercises._feedback import Tracker, compare_gradients, listing, logged_runs, size
+from ckpt_lab.exercises._feedback import (
+    Tracker,
+    compare_gradients,
+    listing,
+    logged_rng,
+    logged_runs,
+    rng_hint,
+    size,
+)
 from ckpt_lab.exercises._grading import Check, Exercise, Submission
 from ckpt_lab.instruments import CallCounter
 
@@ -109,9 +117,11 @@ def check_reruns_once_with_grad(sub: Submission) -> None:
     said = []
     if modes and modes[0]:
         said.append(
-            "Your forward ran the block with grad mode on (torch.enable_grad()): it recorded the block's "
-            "graph, which keeps every intermediate it saves. apply runs forward with grad off for a reason "
-            "(notebook 01 §4)."
+            "Your forward ran the block with grad mode on (torch.enable_grad()): the block recorded a graph "
+            "of its own, which holds the tensors its ops save at least until the block returns: the "
+            "forward's peak that a checkpoint is meant to lower, and the time to record it. (Unless your "
+            "forward keeps that graph, apply then drops it: your Function's node replaces the output's "
+            "history, notebook 01 §4.) apply runs forward with grad off for a reason: leave it off."
         )
     if len(modes) >= 2 and not modes[1]:
         said.append(
@@ -214,13 +224,14 @@ def check_dropout_masks(sub: Submission) -> None:
     x_plain = x.detach().clone().requires_grad_()
     _dropout_step(block, x_plain)
     expected = _grads(block, x_plain)
-    _dropout_step(lambda t: _apply(sub, block, t), x)
+    with logged_rng(block) as calls:
+        _dropout_step(lambda t: _apply(sub, block, t), x)
     said = _differences(_grads(block, x), expected)
     assert not said, (
         "With dropout in the block, gradients differ from a plain run with the same seed:\n"
         + "\n".join(f"- {s}" for s in said[:3])
-        + "\nThe re-run in backward drew new dropout masks. Take a snapshot of the random generator in "
-        "forward (torch.get_rng_state()) and put it back before re-running (notebook 02 §8)."
+        + "\n"
+        + rng_hint(calls, "notebook 02 §8")
     )
 
 

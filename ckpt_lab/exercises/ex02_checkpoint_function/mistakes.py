@@ -50,4 +50,26 @@ MISTAKES = [
         "gradients",
         "None of the block's parameters got a gradient",
     ),
+    Mistake(
+        "takes the RNG snapshot after the block ran",
+        "        if preserve_rng_state:\n"
+        "            ctx.rng_state = torch.get_rng_state()"
+        "  # dropout must draw the same masks in the re-run\n"
+        "        ctx.save_for_backward(*args)  # only the inputs; apply runs this with grad off: no graph\n"
+        "        return run_function(*args)\n",
+        "        ctx.save_for_backward(*args)\n"
+        "        out = run_function(*args)\n"
+        "        if preserve_rng_state:\n"
+        "            ctx.rng_state = torch.get_rng_state()\n"
+        "        return out\n",
+        "dropout",
+        "your snapshot (torch.get_rng_state()) was taken after the block ran",
+    ),
+    Mistake(
+        "runs the forward with grad on (nothing kept)",
+        "        return run_function(*args)\n",
+        "        with torch.enable_grad():\n            return run_function(*args)\n",
+        "re-run",
+        "the block recorded a graph of its own",
+    ),
 ]

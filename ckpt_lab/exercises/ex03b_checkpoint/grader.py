@@ -22,8 +22,10 @@ from ckpt_lab.exercises._feedback import (
     Tracker,
     compare_gradients,
     listing,
+    logged_rng,
     logged_runs,
     restore_state,
+    rng_hint,
     size,
     state_left_behind,
 )
@@ -208,14 +210,14 @@ def check_dropout_masks(sub: Submission) -> None:
     x_plain = x.detach().clone().requires_grad_()
     _dropout_step(block, x_plain)
     expected = _grads(block, x_plain)
-    _dropout_step(lambda t: sub.checkpoint(block, t), x)
+    with logged_rng(block) as calls:
+        _dropout_step(lambda t: sub.checkpoint(block, t), x)
     said = compare_gradients([(n, g, e) for (n, g), (_, e) in zip(_grads(block, x), expected, strict=True)])
     assert not said, (
         "With dropout in the block, gradients differ from a plain run with the same seed:\n"
         + "\n".join(f"- {s}" for s in said[:3])
-        + "\nThe re-run drew new dropout masks: take a snapshot of the random generator before the "
-        "forward (torch.get_rng_state()) and restore it, inside torch.random.fork_rng(devices=[]), "
-        "for the re-run (notebook 02 §8)."
+        + "\n"
+        + rng_hint(calls, "notebook 02 §8")
     )
 
 

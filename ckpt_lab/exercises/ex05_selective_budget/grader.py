@@ -138,9 +138,15 @@ def check_knapsack_optimal(sub: Submission) -> None:
         best_cost, best_bytes = best_choice(items, capacity)
         if cost < best_cost:
             hint = ""
-            if cost == greedy_cost(items, capacity):
+            greedy = cost == greedy_cost(items, capacity)
+            # Both can explain one case: the best fills the capacity exactly, and greedy misses it too.
+            strict = best_bytes == capacity and cost == best_choice(items, capacity - 1)[0]
+            if greedy and strict:
+                hint = (" (yours is both the best below the capacity, `<` for `<=`?, and what the best cost "
+                        "per byte first gives, greedy?)")
+            elif greedy:
                 hint = " (what the best cost per byte first gives: greedy, not exact; a dynamic program is)"
-            elif best_bytes == capacity and cost == best_choice(items, capacity - 1)[0]:
+            elif strict:
                 hint = " (the best fills the capacity exactly, yours the best below it: `<` for `<=`?)"
             said.append(
                 f"{what} ({_describe(items, capacity)}): your choice saves {cost:g} using {nbytes} bytes; "

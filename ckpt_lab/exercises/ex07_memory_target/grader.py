@@ -65,7 +65,10 @@ def _explained(sub: Submission, verdicts_only: bool = False) -> str:
     lines = explain(model, x, loss_fn=loss_fn).summary().splitlines()
     if verdicts_only and "regions:" in lines:
         lines = lines[lines.index("regions:") :]
-    what = "verdicts on your model's checkpoints" if verdicts_only else "summary of your model"
+    # A model without a checkpoint has no verdicts: its whole summary says what is kept.
+    what = "verdicts on your model's checkpoints" if verdicts_only and "regions:" in lines else (
+        "summary of your model" + ("" if "regions:" in lines else " (it has no checkpoint)")
+    )
     return f"explain's {what}:\n" + "\n".join(f"  {line}" for line in lines)
 
 
