@@ -59,3 +59,12 @@ def test_04b_stores_the_peers_own_results_and_no_notebook_says_not_installed() -
     assert all("(peer):" in "".join(c["outputs"][-1].get("text", "")) for c in peer_cells)
     # nbval re-checks them: no peer cell ignores its output.
     assert not [c for c in peer_cells if "nbval-ignore-output" in c.get("metadata", {}).get("tags", [])]
+
+
+def test_each_failure_names_the_section_that_teaches_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "04_scope.py"  # a scope that recomputes nothing
+    path.write_text("import contextlib\n\ngradient_checkpoint_scope = contextlib.nullcontext\n")
+    report = grade("04-scope", path)
+    failed = report.failed()
+    assert len(failed) >= 3, str(report)
+    assert all("Taught in notebook 04 §3." in o.message for o in failed), str(report)
