@@ -298,7 +298,7 @@ print("x * c after the tape alone | bytes kept:", api_page_example(in_scope(Tape
 #
 # ### 3.2 Draft (b): the pack hook returns a reference
 #
-# For a scope tensor the pack hook (notebook 03 §1) returns a `ScopeTensorRef` (tape, slot) instead;
+# For a scope tensor the pack hook (notebook 03 §2) returns a `ScopeTensorRef` (tape, slot) instead;
 # anything else goes to the pair that was on top of the stack (`Delegated`), or is `Stored`. Here
 # each unpack replays the tape, and the entry is popped as the scope closes. A case all inside the
 # `with` block:
@@ -383,7 +383,8 @@ compare(gradient_checkpoint_scope)
 # and afterwards puts every generator back (a fork, like `fork_rng` in torch's checkpoint).
 #
 # It also refuses a tensor written in place *after* autograd saved it, as autograd does (notebook 03
-# §1); the tensor may be gone by backward, but the tape knows the slot's last write (`saved_at`).
+# §1; hooks bypass that check, §3): the tensor may be gone by backward, but the tape knows the slot's
+# last write (`saved_at`).
 
 # %% tags=["04-scope-draft"]
 class Replayer:  # the first unpack of a backward replays the tape; the others take from that replay
@@ -428,8 +429,8 @@ except RuntimeError as error:
 print("x * c after the scope, bytes kept:", api_page_example(in_scope(gradient_checkpoint_scope))[0])
 
 # %% [markdown]
-# One replay per backward, the plain run's gradients, both streams as they were. But `y = x * c`, after the `with` block, still stores `x`: the scope popped its entry when
-# it closed.
+# One replay per backward, the plain run's gradients, both streams as they were. But `y = x * c`,
+# after the `with` block, still stores `x`: the scope popped its entry when it closed.
 #
 # ### 3.4 Draft (d): hooks that outlive the `with` block, and when they go
 #
