@@ -156,7 +156,7 @@ class ReplayState:
 
 
 # =============================================================== the scope's RNG: per random op, per device
-# ``gradient_checkpoint_scope`` (notebook 04 §4) replays a recording long after the forward, and code
+# ``gradient_checkpoint_scope`` (notebook 04 §3.3) replays a recording long after the forward, and code
 # in the scope may reseed between two random ops, so a snapshot at entry is not enough: each random op
 # records the state of the generator it draws from (``GeneratorState``), and a replay sets it back
 # before re-running the op, inside ``forked``. The entry snapshot covers the CPU and every device of an

@@ -19,7 +19,8 @@ nothing held by the implementation's module (its ``leftovers()``, where it has o
 The checks, in ``CHECKS``, go from the API page's example to the hooks' lifetime: recompute
 instead of store; dropout (RNG replay); tensors used long after the scope; enclosing hooks; nested
 and several scopes; exceptions; a second backward; a scope inside a checkpoint; the hooks released
-when the last scope tensor dies; the replays that must be refused; no reference cycles; threads.
+when the last scope tensor dies; a scope tensor modified after it was saved; the replays that must be
+refused; no reference cycles; threads.
 What only the shipped scope handles (in-place writes to outside tensors, ``.data`` aliases, views
 autograd makes after the scope, ...) is tested on it alone (tests/test_scope*.py).
 """
@@ -575,6 +576,14 @@ def check_refused_replays(gradient_checkpoint_scope: Scope) -> None:
         "the replay's x[m > 0] has 7 elements, the forward's 3 (the metadata check)",
     )
     del loss
+    x.grad = None
+    _assert_clean(gradient_checkpoint_scope, "the refused replays")
+
+
+def check_modified_after_saved(gradient_checkpoint_scope: Scope) -> None:
+    """A scope tensor modified in place after autograd saved it is refused, as autograd refuses it,
+    even when the tensor itself is gone by backward (its version cannot be read then)."""
+    x = _leaves((10,))[0]
     with gradient_checkpoint_scope():
         x2 = x * 2
         y = x2.sin()  # saves x2
@@ -582,13 +591,13 @@ def check_refused_replays(gradient_checkpoint_scope: Scope) -> None:
     loss = (y + x2).sum()
     del x2, y
     _raises(
-        "x2, made in the scope, modified in place after sin saved it",
+        "x2, made in the scope, modified in place after sin saved it (x2 itself gone by backward)",
         loss.backward,
         "without the scope autograd raises too",
     )
     del loss
     x.grad = None
-    _assert_clean(gradient_checkpoint_scope, "the refused replays")
+    _assert_clean(gradient_checkpoint_scope, "a scope tensor modified after it was saved")
 
 
 def check_writes_outside_the_recording(gradient_checkpoint_scope: Scope) -> None:
@@ -756,6 +765,7 @@ CHECKS: list[Callable[[Scope], None]] = [
     check_checkpoint_inside_the_scope,
     check_hooks_released,
     check_release_after_backward,
+    check_modified_after_saved,
     check_refused_replays,
     check_writes_outside_the_recording,
     check_no_reference_cycles,

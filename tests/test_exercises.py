@@ -103,6 +103,13 @@ DELEGATIONS = {
         ("from ckpt_lab import gradient_checkpoint_scope  # noqa: F401\n",
          "your file imports ckpt_lab.gradient_checkpoint_scope at {f}:1"),
     ],
+    "04b-scope": [
+        ("from ckpt_lab.scope_core import gradient_checkpoint_scope  # noqa: F401\n",
+         "your file imports ckpt_lab.scope_core.gradient_checkpoint_scope at {f}:1: write it yourself "
+         "(notebook 04b §1 to §11)."),
+        ("from ckpt_lab.exercises.ex04_scope.solution import gradient_checkpoint_scope  # noqa: F401\n",
+         "your file imports ckpt_lab.exercises.ex04_scope.solution.gradient_checkpoint_scope at {f}:1"),
+    ],
     "05-selective-budget": [
         ("from ckpt_lab.planner import solve_dp as knapsack  # noqa: F401\n\n\ndef make_policy(block):\n"
          "    return lambda ctx, op, *args, **kwargs: False\n",

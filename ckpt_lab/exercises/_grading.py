@@ -69,6 +69,9 @@ class Check:
     basic: bool = False
     # Checks that must pass first, else this one is skipped (its failure would repeat theirs).
     needs: tuple[str, ...] = ()
+    # Where the exercise's notebook teaches what this check asks for ("§3.3, the replay"): a failure
+    # of the check ends with it.
+    teaches: str = ""
 
 
 @dataclass(frozen=True)
@@ -521,6 +524,8 @@ def grade_file(
                 message = _exited(error, submission)
             # What makes a basic check stop the rest: its own failure, not leftovers (said, and undone).
             own_failure = message is not None
+            if own_failure and todo is None and check.teaches:
+                message += f"\nTaught in notebook {exercise.notebook} {check.teaches}."
             left = state_left_behind(before)
             if left:
                 # What the grader could not undo (a torch without _pop_mode) is said, not hidden.

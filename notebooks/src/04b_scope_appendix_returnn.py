@@ -15,10 +15,9 @@
 # # 04b · Appendix (optional): what `scope.py` adds to the core, and why
 #
 # **Optional.** [Notebook 04](04_checkpoint_scope.ipynb) builds the scope's core,
-# `ckpt_lab/scope_core.py`. The shipped `ckpt_lab/scope.py` is the same four parts hardened; each
-# section below is one of its `NOTE [ ... ]`s: what the core does, what `scope.py` adds, and a case
-# measured with both. Cases also run the peer, RETURNN's own `gradient_checkpoint_scope`, which keeps
-# its hooks beyond the `with` block by **monkey-patching** `saved_tensors_hooks.__enter__`/`__exit__`.
+# `ckpt_lab/scope_core.py`; `ckpt_lab/scope.py` is it hardened. Each section: what the core does,
+# what `scope.py` adds, a case measured with both, and often the peer, RETURNN's scope, which keeps
+# its hooks by **monkey-patching** `saved_tensors_hooks.__enter__`/`__exit__`.
 #
 # **TL;DR.** The core refuses what `scope.py` handles (`inference_mode`, a Parameter built in the
 # scope, writes to outside tensors), replays every op and keeps every input. On a chain of scoped
@@ -27,24 +26,14 @@
 # releases its hooks by itself (§11); the peer leaves scope tensors alive and hooks behind.
 #
 # **After this appendix you can**
-# 1. name what `scope.py` adds to the core, part by part, and the note that argues each (checked:
-#    each section's core-against-`scope.py` line);
+# 1. name what `scope.py` adds to the core, part by part (checked: each section's measured lines);
 # 2. explain why the scope's peak matches a checkpoint's on a chain and not on a residual stack
 #    (checked: §8's prediction and ledgers);
 # 3. say why ours needs no `exit_saved_tensors_hooks_scope()` (checked: §11's printed moments).
 #
-# | question (a NOTE of `scope.py`) | section |
-# |---|---|
-# | Per-thread state; nested scopes (A.3)? A scope inside a checkpoint (A.8)? | §1, §2 |
-# | What the tape leaves out? What "born in the scope" means? | §3, §4 |
-# | Inputs kept, not recomputed? Outside tensors written in place (A.6)? | §5, §6 |
-# | One replay per backward? The first replay of a backward; a residual stack (M.2)? | §7, §8 |
-# | What a replay refuses (A.7)? Random ops, RNG and autocast; a GPU (M.3)? | §9, §10 |
-# | Hooks that outlive the block, safe points (M.1, A.1, A.2, A.4, A.5)? Speed? | §11, §12 |
-#
-# Peer cells are tagged `nbval-ignore-output` and **show the peer only where `returnn` is installed**
-# (CI does not install it: "peer skipped"); `run_peer` then puts the global state back, the peer's
-# own registry included. Terms: [glossary](glossary.md) ([graph task](glossary.md#graph-task),
+# The peer (`returnn==1.20261022.211313`, pinned in requirements.txt) runs in every peer cell, and
+# nbval re-checks the outputs; `run_peer` reports what it returned, raised and left behind, then
+# cleans up. Terms: [glossary](glossary.md) ([graph task](glossary.md#graph-task),
 # [safe point](glossary.md#safe-point), [peak](glossary.md#peak)).
 
 # %%
@@ -98,23 +87,17 @@ def versus(case):
             print(f"{name:<9} CheckpointError: {str(error).split(': ', 1)[1].split('. ')[0]}")
     print("clean:", assert_clean())
 
-# %% tags=["nbval-ignore-output"]
+# %%
 # Kept before anything could patch them: the peer replaces these two methods.
 ORIGINAL_HOOKS_METHODS = (saved_tensors_hooks.__enter__, saved_tensors_hooks.__exit__)
-try:
-    import returnn
-    from returnn.torch.util.gradient_checkpoint import gradient_checkpoint_scope as peer_scope
-    print("peer: returnn", returnn.__version__, "is installed")
-except ImportError:
-    peer_scope = None
-    print("peer: returnn is not installed; each peer cell below prints 'peer skipped'")
+import returnn
+from returnn.torch.util.gradient_checkpoint import gradient_checkpoint_scope as peer_scope
+
+print("peer: returnn", returnn.__version__)
 
 # %%
 def run_peer(name, case):
     """Run ``case(peer_scope)``; report its result or error and what it left behind; then clean up."""
-    if peer_scope is None:
-        print(f"{name}: returnn not installed, peer skipped")
-        return
     report, unraisable = {}, []
     old_hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
     try:
@@ -167,7 +150,7 @@ print("inner and outer scope tensors alive after forward:", alive)
 print("gradients equal to no scope:", all_equal(nested(contextlib.nullcontext)[1], scope_grads))
 print("clean:", assert_clean())
 
-# %% tags=["nbval-ignore-output"]
+# %%
 run_peer("nested, alive", lambda scope: nested(scope)[0])
 
 # %% [markdown]
@@ -279,8 +262,27 @@ def outside_buffer(scope):
     return f"buf after forward and backward: {buf.unique().tolist()}"
 versus(outside_buffer)
 
-# %% tags=["nbval-ignore-output"]
+# %%
 run_peer("buf", outside_buffer)
+
+# %% [markdown]
+# A tensor our entry *stores*, then written in place: autograd checks versions only without hooks
+# (`SavedVariable::unpack`: "If user provides hooks, we can't track versions through the hooks"), so
+# the stored tensor keeps its version and its unpack raises autograd's own error, in its words:
+
+# %%
+def written_after_saved(scope):
+    a, b = leaves((10,), (10,))
+    with scope():
+        x = a.sin()
+    y = x * (b := b * 1)  # saves b: not a scope tensor
+    with torch.no_grad():
+        b.add_(1)
+    try:
+        return y.sum().backward() or "no error: the gradients use b's new values"
+    except RuntimeError as error:
+        return f"RuntimeError: {str(error).split(':')[0]}"
+versus(written_after_saved)
 
 # %% [markdown]
 # ## 7. One replay per backward
@@ -310,7 +312,9 @@ versus(ops_in_backward)
 # ## 8. The first replay of a backward; a residual stack (M.2)
 #
 # Notebook 04 §5's chain: four MLP blocks, a scope per block, loss `h.square().mean()`, measured by
-# `explain` (unit: one block boundary).
+# `explain` (unit: one block boundary): one step under the package's memory instruments, its
+# retained bytes, peak and peak ledger (every storage alive at the peak, by role); notebook
+# [07](07_why_memory_did_not_drop.ipynb) introduces it.
 
 # %%
 unit = 16 * 256 * 4  # one block boundary of the MLP chain
@@ -441,7 +445,7 @@ print("clean:", assert_clean())
 # %% [markdown]
 # ## 10. Random ops; RNG and autocast in a replay; a GPU (M.3)
 #
-# Both record, before each random op, its generator's state and replay in a fork (notebook 04 §4),
+# Both record, before each random op, its generator's state and replay in a fork (notebook 04 §3.3),
 # autocast off (the recorded ops are cast already). `scope.py` also captures, at entry, the CPU and
 # *every* initialised accelerator, replays one first initialised inside the scope from its fresh
 # seed, and never initialises CUDA. The cell runs on CUDA where there is one (checked against
@@ -471,7 +475,7 @@ print("clean:", assert_clean())
 # %% [markdown]
 # ## 11. Hooks that outlive the with block; safe points (M.1, A.1, A.2, A.4, A.5)
 #
-# Both keep a resident entry at the bottom of the stack, wrap every entry above it (notebook 04 §3),
+# Both keep a resident entry at the bottom of the stack, wrap every entry above it (notebook 04 §3.4),
 # and release it at a *safe point*: the owning thread, outside our hooks, outside a backward.
 # `scope.py` adds fast paths that touch only the top of the stack, and copes with hooks disabled.
 #
@@ -518,7 +522,7 @@ del z
 # ([source](https://github.com/rwth-i6/returnn/blob/5637148746a4271277229c1667f5a4a989e54a11/returnn/torch/util/gradient_checkpoint.py)).
 # Called early by a user, it ends the recomputation: scope tensors saved later are stored. Ours
 # needs no such call: the entry goes at the first safe point after the last scope tensor dies (at
-# `del x` in notebook 04 §3, after backward above, on another thread at its next safe point).
+# `del x` in notebook 04 §3.4, after backward above, on another thread at its next safe point).
 #
 # **A.1. No global state left behind**: after a scope and its backward, the next user's
 # `saved_tensors_hooks`, torch's checkpoint and `save_on_cpu` all work:
@@ -540,7 +544,7 @@ def no_global_state(scope):
     return {"hooks left": hooks_left, "next user hooks packed": len(packed)}
 print(no_global_state(gradient_checkpoint_scope), "| nothing patched, nothing left:", assert_clean())
 
-# %% tags=["nbval-ignore-output"]
+# %%
 run_peer("no global state", no_global_state)
 
 # %% [markdown]
@@ -565,7 +569,7 @@ alive, scope_grads = several_scopes(gradient_checkpoint_scope)
 print("scope tensors alive after the product (no scope: [True, True]):", alive)
 print("gradients equal to no scope:", all_equal(several_scopes(contextlib.nullcontext)[1], scope_grads))
 
-# %% tags=["nbval-ignore-output"]
+# %%
 run_peer("get_var1() * get_var2(), alive", lambda scope: several_scopes(scope)[0])
 
 # %% [markdown]
@@ -602,7 +606,7 @@ print("packed by the enclosing hook | no scope:", enclosing_hooks(contextlib.nul
 print("offloaded by save_on_cpu     | no scope:", enclosing_save_on_cpu(contextlib.nullcontext),
       "| scope:", enclosing_save_on_cpu(gradient_checkpoint_scope))
 
-# %% tags=["nbval-ignore-output"]
+# %%
 run_peer("enclosing hook packed", enclosing_hooks)
 run_peer("save_on_cpu offloaded", enclosing_save_on_cpu)
 
@@ -622,17 +626,20 @@ def raising(scope):
     return {"hooks left": top_hooks() is not None, "dispatch modes left": global_state()["dispatch_modes"]}
 print(raising(gradient_checkpoint_scope), "| clean:", assert_clean())
 
-# %% tags=["nbval-ignore-output"]
+# %%
 run_peer("exception", raising)
+
+# %% [markdown]
+# **Your turn.** Exercise `04b-scope`: your `04-scope` solution in `exercises/04b_scope.py`, made to
+# pass what this appendix teaches; grade it with `check("04b-scope", "exercises/04b_scope.py")`
+# (`from ckpt_lab.exercises import check`) in a cell of your own.
 
 # %% [markdown]
 # ## 12. Speed
 #
-# The tape runs once per forward op, the replay once per op it re-runs: NOTE [ Speed ], at the end
-# of `scope.py`, lists the shortcuts (a)–(n) that spare Python calls there (cached schema facts,
-# `__slots__`, an op's C++ entry point called directly, Dynamo told once to skip the mode), each
-# cited where the code takes it. None changes what is recorded or replayed; the benchmark's scope
-# rows (README) measure them.
+# NOTE [ Speed ], at the end of `scope.py`, lists the shortcuts that spare Python calls per op
+# (cached schema facts, `__slots__`, an op's C++ entry point called directly), each cited where the
+# code takes it; none changes what is recorded or replayed (the README's scope rows measure them).
 #
 # ## Summary
 #
@@ -650,7 +657,7 @@ run_peer("exception", raising)
 # | RNG, autocast | per random op | every device at entry | §10 |
 # | hooks, safe points | resident entry, release | fast paths, hooks disabled | §11 |
 #
-# The peer, as its stored outputs above show (returnn 1.20261022; nbval does not re-check them):
+# The peer, as its outputs above show (returnn 1.20261022.211313):
 #
 # | case | ours | peer |
 # |---|---|---|

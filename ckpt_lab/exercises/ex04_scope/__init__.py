@@ -1,1 +1,1 @@
-"""Exercise 04: grader.py, stub.py, mistakes.py; the reference solution is ckpt_lab/scope_core.py."""
+"""Exercise 04: grader.py, stub.py, solution.py (notebook 04's drafts, assembled), mistakes.py."""
