@@ -77,6 +77,8 @@ nb_render_image_options = {}
 # -- API reference
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
+autodoc_typehints_format = "short"
+python_use_unqualified_type_names = True
 autodoc_default_options = {"members": True, "undoc-members": False, "show-inheritance": False}
 autodoc_inherit_docstrings = False
 napoleon_google_docstring = False

@@ -234,6 +234,8 @@ def exercises_markdown(students: bool) -> str:
         grader = inspect.getmodule(ex.checks)
         statement = inspect.cleandoc(grader.__doc__ or "") if grader is not None else ""
         title, _, body = statement.partition("\n\n")
+        # "Exercise 01: predict ..." -> "predict ...": sphinx-exercise numbers the box itself
+        title = re.sub(r"^Exercise \w+:\s*", "", title.replace("\n", " "))
         stub = os.path.relpath(ex.stub_path, docs)
         solution = os.path.relpath(ex.solution_path, docs)
         label = f"ex-{ex.name}"
@@ -246,6 +248,7 @@ def exercises_markdown(students: bool) -> str:
             # colon fences: a backtick fence's title may not hold backticks, and the statements' do
             f":::::{{exercise}} {title.rstrip('.') or ex.name}",
             f":label: {label}",
+            ":nonumber:",
             "",
             f"**Taught in** {taught}. **Your file defines** {ex.defines}.",
             "",
