@@ -85,7 +85,7 @@ $(SITE_STAMP): docs/requirements.txt | check-python
 site: setup site-setup
 	$(SITE_VENV)/bin/python -m sphinx -b html -W --keep-going -q -d _site/doctrees$(if $(STUDENT),-students) \
 	  $(if $(STUDENT),-t students) docs $(SITE_OUT)
-	@echo "site: $(SITE_OUT)/index.html (make site-serve serves it on http://127.0.0.1:$(SITE_PORT))"
+	@echo "site: $(SITE_OUT)/index.html (make site-serve$(if $(STUDENT), STUDENT=1) serves it on http://127.0.0.1:$(SITE_PORT))"
 
 ## site-serve: serve the built site on loopback only (make site first)
 site-serve:

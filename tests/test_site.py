@@ -163,7 +163,9 @@ def test_the_students_site_has_no_solutions() -> None:
     script = (
         "import sys, site; sys.path[:0] = [sys.argv[1], sys.argv[2]]; site.addsitedir(sys.argv[3]);"
         "import ckpt_site; print(ckpt_site.exercises_markdown(students=True)); print('=====');"
-        "print(ckpt_site.exercises_markdown(students=False))"
+        "print(ckpt_site.exercises_markdown(students=False)); print('=====');"
+        "print(*ckpt_site.source_modules(students=True)); print('=====');"
+        "print(*ckpt_site.source_modules(students=False))"
     )
     packages = next((Path(sys.prefix) / "lib").glob("python*/site-packages"))
     if not SITE_PYTHON.exists():
@@ -174,10 +176,13 @@ def test_the_students_site_has_no_solutions() -> None:
         text=True,
         check=True,
     )
-    students, default = run.stdout.split("=====")
+    students, default, student_sources, sources = run.stdout.split("=====")
     assert "{solution}" not in students and "solutions" not in students
     assert default.count("{solution}") == len(EXERCISES)
     for ex in EXERCISES.values():
         assert "{exercise}" in students and ex.stub_path.name in students
+    # nor a source page of a solution
+    assert "ckpt_lab.exercises.solutions" in sources and "ckpt_lab.exercises.solutions" not in student_sources
+    assert "ckpt_lab.exercises" in student_sources.split()
     conf = (ROOT / "docs" / "conf.py").read_text()
     assert 'hide_solutions = tags.has("students")' in conf

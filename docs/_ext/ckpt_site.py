@@ -170,14 +170,17 @@ class NotebookLinks(SphinxTransform):
 
 
 # ------------------------------------------------------------------------ every module gets a source page
-def _all_modules() -> list[str]:
+def source_modules(students: bool) -> list[str]:
+    """Every module under ckpt_lab/, by name; for students, without the exercises' reference solutions."""
     names = []
     for path in sorted((ROOT / "ckpt_lab").rglob("*.py")):
         rel = path.relative_to(ROOT).with_suffix("")
         parts = list(rel.parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        names.append(".".join(parts))
+        name = ".".join(parts)
+        if not (students and name.startswith("ckpt_lab.exercises.solutions")):
+            names.append(name)
     return names
 
 
@@ -188,7 +191,7 @@ def _add_source_pages(app: Sphinx) -> list:
     env = app.env
     modules = env._viewcode_modules if hasattr(env, "_viewcode_modules") else {}
     env._viewcode_modules = modules  # type: ignore[attr-defined]
-    for name in _all_modules():
+    for name in source_modules(app.tags.has("students")):
         if modules.get(name):
             continue
         analyzer = ModuleAnalyzer.for_module(name)
