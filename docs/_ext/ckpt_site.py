@@ -273,7 +273,7 @@ def exercises_markdown(students: bool) -> str:
             f'check("{ex.name}", "exercises/{ex.file_name}")',
             "```",
             "",
-            "```bash",
+            "```text",
             f"python -m ckpt_lab.exercises check {ex.name} notebooks/exercises/{ex.file_name}",
             "```",
             ":::::",
@@ -327,12 +327,19 @@ def _source_read(app: Sphinx, docname: str, source: list[str]) -> None:
             source[0] = source[0].replace(marker, make(app))
 
 
+def _always_generated(app: Sphinx, env: Any, added: set, changed: set, removed: set) -> list[str]:
+    """The pages generated from ckpt_lab.exercises are read again on every build: their source file does
+    not change when the registry does."""
+    return [name for name in ("exercises", "teachers") if name in env.found_docs]
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     allow = _AllowList()
     for handler in logging.getLogger("sphinx").handlers:
         handler.filters.insert(0, allow)
     app.add_transform(NotebookLinks)
     app.connect("source-read", _source_read)
+    app.connect("env-get-outdated", _always_generated)
     app.connect("html-collect-pages", _add_source_pages, priority=400)
     app.connect("html-page-context", _fix_backlinks)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
