@@ -51,9 +51,33 @@ def test_by_default_nothing_is_written_outside_the_results_folder(quick_run):
     ]
 
 
-def test_refreshing_the_readme_figures_is_never_quick():
+@pytest.mark.parametrize("option", ["--refresh-site", "--refresh-readme"])
+def test_refreshing_the_site_s_results_is_never_quick(option):
+    # --refresh-readme: the option's name before the results moved to the site, still accepted
     with pytest.raises(SystemExit):
-        bench_main(["--quick", "--refresh-readme"])
+        bench_main(["--quick", option])
+
+
+def test_the_benchmark_page_s_table_is_the_stored_results():
+    """docs/results/generated/benchmark_table.md, which the site's benchmark page includes, is what
+    --refresh-site (make bench) writes from bench/results.json: nobody edits it by hand."""
+    from pathlib import Path
+
+    from ckpt_lab.bench.measure import Result
+    from ckpt_lab.bench.report import markdown
+
+    root = Path(__file__).resolve().parents[1]
+    stored = json.loads((root / "bench" / "results.json").read_text())
+    results = [Result(**{k: v for k, v in r.items() if k != "samples"}) for r in stored["results"]]
+    table = markdown(results)
+    assert (root / "docs" / "results" / "generated" / "benchmark_table.md").read_text() == table + "\n"
+    # the deepest stack of each family, every strategy of the run, torch.compile's rows included
+    rows = table.splitlines()[2:]
+    shown = ("mlp-32", "transformer-8", "pointwise-32", "chain-64")
+    assert {row.split(" | ")[0].lstrip("| ") for row in rows} == set(shown)
+    assert sum("(wrong gradients: dropout redrawn)" in row for row in rows) == sum(
+        not r.grad_ok for r in results if r.workload in shown
+    )
 
 
 def test_quick_run_succeeds_and_writes_plots(quick_run):

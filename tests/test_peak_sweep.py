@@ -92,3 +92,25 @@ def test_the_gpt2_chain_is_the_model():
     assert torch.equal(loss, theirs)
     assert all(torch.equal(a, p.grad) for a, p in zip(ours, chain.params, strict=True))
     assert len(chain.regions) == 3  # the embedding and two blocks; the head is the loss
+
+
+def test_refresh_site_writes_the_picture_and_the_frontier_page_s_table(tmp_path, monkeypatch):
+    """make peak (--refresh-site) writes images/peak_sweep.png and the table the site's frontier page
+    includes, docs/results/generated/peak_table.md: here into a stand-in checkout."""
+    checkout = tmp_path / "checkout"
+    (checkout / "images").mkdir(parents=True)
+    (checkout / "docs" / "results" / "generated").mkdir(parents=True)
+    monkeypatch.setattr(peak, "in_checkout", lambda *parts: checkout.joinpath(*parts))
+    out = tmp_path / "out"
+    code = peak.main(["--out", str(out), "--no-compile", "--refresh-site"], chains=_tiny)
+    assert code == 0
+    assert (checkout / "images" / "peak_sweep.png").stat().st_size > 10_000
+    table = (checkout / "docs" / "results" / "generated" / "peak_table.md").read_text()
+    assert table == (out / "peak.md").read_text()
+    assert table.startswith("| model | method (budgets, largest first) |")
+
+
+@pytest.mark.parametrize("option", ["--refresh-site", "--refresh-readme"])
+def test_refreshing_the_site_is_never_quick(option):
+    with pytest.raises(SystemExit):
+        peak.main(["--quick", option], chains=_tiny)

@@ -7,7 +7,7 @@
 
 * ``workloads``: the MLP, transformer and pointwise stacks everything is measured on;
 * ``measure``: every strategy on a workload, side by side (memory, FLOPs, gradients, state, time),
-  and the README's targets as PASS/MISS;
+  and the benchmark page's targets (docs/results/benchmark.md) as PASS/MISS;
 * ``report``: the table and plots; ``pareto``: retained memory against recomputation.
 
 The strategies themselves are the project's registry, ``ckpt_lab.strategies``. The names most used

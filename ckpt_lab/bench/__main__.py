@@ -1,14 +1,15 @@
 """Benchmark: every checkpointing strategy side by side, in one process.
 
     python -m ckpt_lab.bench --quick          # small workloads, about a minute on 2 cores
-    python -m ckpt_lab.bench                  # the README's workloads (about 9 minutes)
-    python -m ckpt_lab.bench --refresh-readme # the same, and rewrite the README's figures (make bench)
+    python -m ckpt_lab.bench                  # the benchmark page's workloads (about 9 minutes)
+    python -m ckpt_lab.bench --refresh-site   # the same, and rewrite the benchmark page's table and figures
     python -m ckpt_lab.bench --compile        # also torch.compile's memory budgets (notebook 08)
 
-Results and plots go to ``results/`` (ignored by git), or to ``--out DIR``; only ``--refresh-readme``
-writes into the tracked ``bench/results.json`` and ``images/bench_*.png``. The run fails (exit 1) if
-any strategy's gradients differ from no checkpointing, or if a strategy of ours or torch's leaves
-global state behind.
+Results and plots go to ``results/`` (ignored by git), or to ``--out DIR``; only ``--refresh-site`` (make
+bench) writes into the checkout: ``bench/results.json``, ``images/bench_*.png`` and the site's table,
+``docs/results/generated/benchmark_table.md`` (the benchmark page, docs/results/benchmark.md, includes
+it). The run fails (exit 1) if any strategy's gradients differ from no checkpointing, or if a strategy
+of ours or torch's leaves global state behind.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ckpt_lab.bench.measure import Result, run
-from ckpt_lab.bench.report import plot, table
+from ckpt_lab.bench.report import markdown, plot, table
 from ckpt_lab.helpers import in_checkout
 
 
@@ -51,9 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for results and plots")
     parser.add_argument(
-        "--refresh-readme",
+        "--refresh-site",
+        "--refresh-readme",  # its name before the results moved to the site
+        dest="refresh_site",
         action="store_true",
-        help="write bench/results.json and images/bench_*.png in the checkout (the README's figures)",
+        help="write bench/results.json, images/bench_*.png and docs/results/generated/benchmark_table.md in "
+        "the checkout (the site's benchmark page)",
     )
     parser.add_argument("--json", type=Path, help="write the results to this file instead")
     parser.add_argument("--images", type=Path, help="write the plots to this folder instead")
@@ -69,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         "Pareto points at 0 ... 1 for the MLP and transformer stacks (ckpt_lab.compiled; slower)",
     )
     args = parser.parse_args(argv)
-    if args.refresh_readme and args.quick:
-        parser.error("--refresh-readme writes the README's figures: run it without --quick")
+    if args.refresh_site and args.quick:
+        parser.error("--refresh-site writes the benchmark page's table and figures: run it without --quick")
 
     name = "results-quick.json" if args.quick else "results.json"
-    if args.refresh_readme:
+    if args.refresh_site:
         default_json, default_images = in_checkout("bench", name), in_checkout("images")
     else:
         default_json, default_images = args.out / name, args.out
@@ -127,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"\nresults: {out}")
+    if args.refresh_site:
+        page = in_checkout("docs", "results", "generated", "benchmark_table.md")
+        page.write_text(markdown(results) + "\n")
+        print(f"the benchmark page's table: {page}")
     if not args.no_plots:
         # torch.compile's rows go on the memory/recompute figure (python -m ckpt_lab.bench.pareto --compile).
         plotted = [r for r in results if not r.strategy.startswith("compiled-")]

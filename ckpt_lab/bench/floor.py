@@ -6,7 +6,7 @@ On the benchmark's dropout chain (``chain-64``: 64 blocks of 8 cheap pointwise o
 torch's non-reentrant checkpoint per block is timed alone, with an *empty* ``TorchDispatchMode``
 around its forward, and against ``gradient_checkpoint_scope`` per block. The scope records in such
 a mode during the forward, so the empty mode's ratio is the least any scope built this way can
-cost there; what the scope costs above it is its own bookkeeping (README, "The scope against its
+cost there; what the scope costs above it is its own bookkeeping (the benchmark page, "The scope against its
 peers"). Paired rounds in a shuffled order, one thread, process time; the median of per-round
 ratios to torch's checkpoint is printed. Times only: nothing here is asserted by a test.
 """

@@ -12,7 +12,7 @@ For each workload and strategy, in separate passes, so that no instrument distur
    by the time of "none" (and of its torch equivalent) *in the same round*, and the median of those
    ratios is reported, so that the machine's drifting load cancels out.
 
-``check_targets`` turns the results into PASS/MISS lines for the README's targets.
+``check_targets`` turns the results into PASS/MISS lines for the benchmark page's targets.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def _merge_isolated(results: list[Result], child: list[Result]) -> list[Result]:
 
 # ------------------------------------------------------------------------------------------- targets
 def check_targets(results: list[Result]) -> list[dict[str, Any]]:
-    """The README's targets, each with the measured figure: PASS or MISS (never hidden)."""
+    """The benchmark page's targets, each with the measured figure: PASS or MISS (never hidden)."""
     by = {(r.workload, r.strategy): r for r in results}
     checks = []
 

@@ -5,7 +5,7 @@ fixed point; the planner (``ckpt_lab.planner``) can be asked for any budget in b
 puts them on one picture, for a transformer stack and an MLP stack:
 
     python -m ckpt_lab.bench.pareto [--out DIR] [--json PATH]   # about 40 s on 2 cores
-    python -m ckpt_lab.bench.pareto --refresh-readme          # rewrite images/05_pareto.png (make pareto)
+    python -m ckpt_lab.bench.pareto --refresh-site            # rewrite images/05_pareto.png (make pareto)
     python -m ckpt_lab.bench.pareto --compile                 # add torch.compile's budget sweep (+1 min)
 
 With ``--compile`` (``measure_points(..., compiled=True)``, off by default: compiling is slow) each
@@ -370,14 +370,18 @@ def main(argv: list[str] | None = None, workloads: Callable[[], list[Workload]] 
     )
     parser.add_argument("--out", type=Path, default=Path("results"), help="where 05_pareto.png goes")
     parser.add_argument(
-        "--refresh-readme", action="store_true", help="rewrite the README's images/05_pareto.png"
+        "--refresh-site",
+        "--refresh-readme",  # its name before the results moved to the site
+        dest="refresh_site",
+        action="store_true",
+        help="rewrite images/05_pareto.png (the site's frontier page shows it)",
     )
     parser.add_argument("--json", type=Path, help="also write the points and frontiers here")
     parser.add_argument(
         "--compile", action="store_true", help="add torch.compile's activation_memory_budget points (slow)"
     )
     args = parser.parse_args(argv)
-    images = in_checkout("images") if args.refresh_readme else args.out
+    images = in_checkout("images") if args.refresh_site else args.out
 
     points: dict[str, list[Point]] = {}
     frontiers: dict[str, list[tuple[int, float]]] = {}

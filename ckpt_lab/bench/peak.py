@@ -1,7 +1,7 @@
 """The peak sweep: three ways to fit a memory budget, judged by the peak each one measures.
 
     python -m ckpt_lab.bench.peak                    # results/: peak.json, peak.md, peak_sweep.png
-    python -m ckpt_lab.bench.peak --refresh-readme   # the picture into images/ (make peak)
+    python -m ckpt_lab.bench.peak --refresh-site     # the picture and the site's table (make peak)
     python -m ckpt_lab.bench.peak --quick            # small models, for a smoke test
 
 On mlp-8, transformer-4 (the benchmark's stacks, loss the mean of the output squared) and notebook
@@ -468,8 +468,9 @@ def table(points: Sequence[PeakPoint]) -> str:
 
 
 def markdown(points: Sequence[PeakPoint]) -> str:
-    """The README's table: per model and method, the measured peak (MiB) and the recomputed GFLOP
-    at each budget, largest budget first; a compiled budget with wrong gradients in italics."""
+    """The peak sweep's table on the site (docs/results/generated/peak_table.md): per model and method,
+    the measured peak (MiB) and the recomputed GFLOP at each budget, largest budget first; a compiled
+    budget with wrong gradients in italics."""
     lines = [
         "| model | method (budgets, largest first) | measured peak MiB (recomputed GFLOP) |",
         "|---|---|---|",
@@ -592,13 +593,18 @@ def main(argv: list[str] | None = None, chains: Callable[[bool], list[Callable[[
         "--out", type=Path, default=Path("results"), help="folder for peak.json and the picture"
     )
     parser.add_argument(
-        "--refresh-readme", action="store_true", help="write the picture into images/ (README)"
+        "--refresh-site",
+        "--refresh-readme",  # its name before the results moved to the site
+        dest="refresh_site",
+        action="store_true",
+        help="write the picture into images/ and the table into docs/results/generated/peak_table.md "
+        "(the site's frontier page)",
     )
     parser.add_argument("--quick", action="store_true", help="small models of each kind (a smoke test)")
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile's budgets out")
     args = parser.parse_args(argv)
-    if args.refresh_readme and args.quick:
-        parser.error("--refresh-readme writes the README's picture: run it without --quick")
+    if args.refresh_site and args.quick:
+        parser.error("--refresh-site writes the site's picture and table: run it without --quick")
     started = time.perf_counter()
     points: list[PeakPoint] = []
     comparisons: list[dict[str, Any]] = []
@@ -621,7 +627,7 @@ def main(argv: list[str] | None = None, chains: Callable[[bool], list[Callable[[
         print(
             f"{'PASS' if check['ok'] else 'MISS'}  {check['model']:14} {check['target']}: {check['figure']}"
         )
-    images = in_checkout("images") if args.refresh_readme else args.out
+    images = in_checkout("images") if args.refresh_site else args.out
     picture = images / "peak_sweep.png"
     plot(points, frontiers, picture)
     report = {
@@ -639,6 +645,8 @@ def main(argv: list[str] | None = None, chains: Callable[[bool], list[Callable[[
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "peak.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (args.out / "peak.md").write_text(markdown(points) + "\n")
+    if args.refresh_site:
+        in_checkout("docs", "results", "generated", "peak_table.md").write_text(markdown(points) + "\n")
     print(f"\nsweep: {seconds:.0f} s; plot: {picture}; results and table: {args.out}/peak.json, peak.md")
     wrong = [f"{p.model}/{p.label}" for p in points if not p.grads_ok and p.method != "torch.compile"]
     if wrong:

@@ -1,5 +1,5 @@
-"""The benchmark's report: a plain-text table and two plots (retained memory against depth, and the
-memory-time trade-off)."""
+"""The benchmark's report: a plain-text table, the results page's Markdown table, and two plots (retained
+memory against depth, and the memory-time trade-off)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ckpt_lab.bench.measure import Result
 
-__all__ = ["plot", "table"]
+__all__ = ["FAMILIES", "markdown", "plot", "table"]
 
 
 def _mib(n: int) -> str:
@@ -27,6 +27,34 @@ def table(results: list[Result]) -> str:
             f"{r.flops / 1e9:7.2f} {r.aten_ops:6d} {r.time_vs_none:8.2f}x {ref:>8} "
             f"{'ok' if r.grad_ok else 'FAIL':>5} {'ok' if r.state_ok else 'FAIL':>5}"
         )
+    return "\n".join(lines)
+
+
+# The results page's table shows the deepest stack of each family, in this order.
+FAMILIES = ("mlp", "transformer", "pointwise", "chain")
+
+
+def markdown(results: list[Result]) -> str:
+    """The benchmark page's table (docs/results/benchmark.md includes it): the deepest workload of each
+    family, every strategy in the order it ran; a row whose gradients differ from no checkpointing says so
+    (only torch.compile's budgets below 1 have one: dropout redrawn)."""
+    deepest = {}
+    for r in results:
+        deepest[r.family] = max(deepest.get(r.family, 0), r.depth)
+    lines = [
+        "| workload | strategy | retained MiB | peak MiB | GFLOP | time / none |",
+        "|---|---|---|---|---|---|",
+    ]
+    families = [f for f in FAMILIES if f in deepest] + sorted(set(deepest) - set(FAMILIES))
+    for family in families:
+        for r in results:
+            if r.family != family or r.depth != deepest[family]:
+                continue
+            strategy = r.strategy if r.grad_ok else f"{r.strategy} (wrong gradients: dropout redrawn)"
+            lines.append(
+                f"| {r.workload} | {strategy} | {r.retained_bytes / 2**20:.2f} | {r.peak_bytes / 2**20:.2f} "
+                f"| {r.flops / 1e9:.1f} | {r.time_vs_none:.2f}× |"
+            )
     return "\n".join(lines)
 
 

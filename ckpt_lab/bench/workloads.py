@@ -134,7 +134,7 @@ FACTORIES = {"mlp": mlp, "transformer": transformer, "pointwise": pointwise, "ch
 
 
 def suite(quick: bool, device: str = "cpu") -> Iterator[Workload]:
-    """The benchmark's workloads: the README's seven, or five small ones (``quick``, about a minute)."""
+    """The benchmark's workloads: the benchmark page's seven, or five small ones (``quick``, a minute)."""
     if quick:
         yield from (mlp(d, width=256, batch=16, device=device) for d in (4, 8))
         yield transformer(2, d_model=64, nhead=4, seq=32, batch=4, device=device)
