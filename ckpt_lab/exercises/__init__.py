@@ -20,7 +20,7 @@ An exercise is one folder, ``ckpt_lab/exercises/exNN_name/`` (found by looking, 
 A learner's file that hands the work to torch's or ckpt_lab's own version of what the exercise asks
 for (``Exercise.refuses``; ``_delegation``) fails before any check runs, with the line that does it.
 
-Adding an exercise: docs/maintainers-exercises.md.
+Adding an exercise: docs/maintainers.md ("How to add an exercise").
 
 In a notebook::
 
