@@ -1146,7 +1146,7 @@ def _replay_mismatch(op: _Op, got: str, recorded: str) -> CheckpointError:
 # Our pack hook must outlive the with block: in ``with scope(): x = a + b`` then ``y = x * c``, mul
 # saves x after the block has closed. But the saved-tensors-hooks stack is thread-local and strictly
 # LIFO, and every ``saved_tensors_hooks.__exit__`` simply pops the top entry, whoever pushed it. So a
-# scope that closes while its tensors are alive takes the stack apart and rebuilds it (_restack):
+# scope that closes while its tensors are alive takes the stack apart and rebuilds it (restack):
 # one *resident* entry of ours at the bottom, every entry above it wrapped (a _PackHook whose
 # ``below`` is the original pair: scope tensors to us, the rest to the original hook). Each
 # enclosing context still pops exactly one entry, its own (its wrapper, as far as anyone can
@@ -1209,11 +1209,7 @@ class _ResidentHooks:
     def close_scope(self, recording: _Recording, entry: _PackHook, failed: bool) -> None:
         self.open = None
         recording.close(failed)
-        self.busy = True
-        try:
-            self.resident = _restack(self.resident, keep=bool(self.live_recordings), drop=entry)
-        finally:
-            self.busy = False
+        self.restack(drop=entry)
         # A storage freed while we were rebuilding could not release anything then.
         self.release_if_idle()
 
@@ -1242,56 +1238,55 @@ class _ResidentHooks:
         # Not a safe point: another thread, inside a hook, or hooks disabled (we could not pop).
         if threading.get_ident() != self.owner or _thread.in_hook or not _saved_tensors_hooks_is_enabled():
             return
-        self.busy = True
+        self.restack()
+
+    def restack(self, drop: _PackHook | None = None) -> None:
+        """Make this thread's stack right, without ``drop`` (a closing scope's entry). See NOTE [ Hooks
+        that outlive the with block ]. With live recordings: our resident entry at the bottom, every
+        other entry ours or wrapped; without: no resident entry, every wrapper unwrapped."""
+        self.busy = True  # a scope tensor dying meanwhile must not start another rebuild
         try:
-            self.resident = _restack(self.resident, keep=False)
+            self.resident = self._restacked(bool(self.live_recordings), drop)
         finally:
             self.busy = False
 
-
-def _restack(resident: _PackHook | None, keep: bool, drop: _PackHook | None = None) -> _PackHook | None:
-    """Make this thread's stack right, without ``drop`` (a closing scope's entry); return the
-    resident entry. See NOTE [ Hooks that outlive the with block ].
-
-    ``keep`` (live recordings): our resident entry at the bottom, every other entry ours or wrapped.
-    Otherwise no resident entry, and every wrapper replaced by the original it stands in for.
-    """
-    top = _top()
-    # The common cases touch only the top of the stack.
-    if drop is not None and top is not None and top[0] is drop:
-        _pop_saved_tensors_default_hooks()
-        top, drop = _top(), None
-    if not _saved_tensors_hooks_is_enabled():
-        # Limitation: someone disabled saved-tensor hooks (functorch, a compiler): pushing would fail,
-        # so there is no resident entry; scope tensors saved from now on are simply stored.
-        return resident
-    if drop is None:
-        if keep and resident is not None and top is not None and isinstance(top[0], _PackHook):
-            return resident  # entries of ours all the way down to the resident one
-        if not keep and resident is None:
-            return None
-        if not keep and top is not None and top[0] is resident:
+    def _restacked(self, keep: bool, drop: _PackHook | None) -> _PackHook | None:
+        resident, top = self.resident, _top()
+        # The common cases touch only the top of the stack.
+        if drop is not None and top is not None and top[0] is drop:
             _pop_saved_tensors_default_hooks()
-            return None
-    # Otherwise take the whole stack apart (these are all enclosing contexts) and rebuild it.
-    entries = []
-    while (top := _top()) is not None:
-        _pop_saved_tensors_default_hooks()
-        entries.append(top)
-    resident = (resident or _PackHook(None)) if keep else None
-    if resident is not None:
-        _push_saved_tensors_default_hooks(resident, _unpack)
-    for pack, unpack in reversed(entries):
-        if isinstance(pack, _PackHook):
-            if pack.below is None or pack is drop:
-                continue  # an old resident entry, or the closing scope's own
-            if not keep:
-                pack, unpack = pack.below
-        elif keep:
-            # Its owner will pop this wrapper on exit, as it would have popped its own entry.
-            pack, unpack = _PackHook((pack, unpack)), _unpack
-        _push_saved_tensors_default_hooks(pack, unpack)
-    return resident
+            top, drop = _top(), None
+        if not _saved_tensors_hooks_is_enabled():
+            # Limitation: someone disabled saved-tensor hooks (functorch, a compiler): pushing would fail,
+            # so there is no resident entry; scope tensors saved from now on are simply stored.
+            return resident
+        if drop is None:
+            if keep and resident is not None and top is not None and isinstance(top[0], _PackHook):
+                return resident  # entries of ours all the way down to the resident one
+            if not keep and resident is None:
+                return None
+            if not keep and top is not None and top[0] is resident:
+                _pop_saved_tensors_default_hooks()
+                return None
+        # Otherwise take the whole stack apart (these are all enclosing contexts) and rebuild it.
+        entries = []
+        while (top := _top()) is not None:
+            _pop_saved_tensors_default_hooks()
+            entries.append(top)
+        resident = (resident or _PackHook(None)) if keep else None
+        if resident is not None:
+            _push_saved_tensors_default_hooks(resident, _unpack)
+        for pack, unpack in reversed(entries):
+            if isinstance(pack, _PackHook):
+                if pack.below is None or pack is drop:
+                    continue  # an old resident entry, or the closing scope's own
+                if not keep:
+                    pack, unpack = pack.below
+            elif keep:
+                # Its owner will pop this wrapper on exit, as it would have popped its own entry.
+                pack, unpack = _PackHook((pack, unpack)), _unpack
+            _push_saved_tensors_default_hooks(pack, unpack)
+        return resident
 
 
 class _AfterBackward:
