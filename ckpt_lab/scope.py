@@ -75,7 +75,7 @@ _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _set_grad_enabled = getattr(torch._C, "_set_grad_enabled", None) or torch.set_grad_enabled
 
 
-# ============================================================================= 1. the public API
+# ============================================================================================ the entry point
 @contextlib.contextmanager
 def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[None]:
     """Every tensor created inside is recomputed in backward instead of being stored for it.
@@ -189,8 +189,7 @@ class _ThreadState(threading.local):
 
 _thread = _ThreadState()
 
-
-# ======================================================================= 2. recording: the tape
+# ================================================================================================ 1. the tape
 _NO_KWARGS: dict = {}
 _graph_task_id = _current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
@@ -226,40 +225,12 @@ class _RecordingMode(TorchDispatchMode):
         info = _OP_INFO.get(id(func)) or op_info(func)  # See NOTE [ Speed ] (a).
         if not info.writes and _inference_mode_enabled():
             return func(*args, **kwargs)
-        written = self._before_writes(info, args, kwargs) if info.writes else []
+        written = _before_writes(self.tape, info, args, kwargs) if info.writes else []
         # The state of the generator it is about to draw from. See NOTE [ Random ops ].
         draw = GeneratorState.before(args, kwargs) if info.random and self.recording.rng else None
         out = info.call(*args, **kwargs)  # func(...), without its Python frame: NOTE [ Speed ] (k)
         self.tape.record(func, info, args, kwargs, out, written, draw)
         return out
-
-    def _before_writes(self, info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[_Slot, int | None]]:
-        """Before an op that writes in place runs: copy the outside tensors it is about to write to.
-
-        Returns (slot, version it will have after the op) for each tensor written.
-        """
-        written = []
-        for tensor, marked in info.written(args, kwargs):
-            version = _version_of(tensor)
-            # A marked write bumps the version above us (ADInplaceOrView), after the op returns to autograd.
-            written.append((self._before_write(tensor), None if version is None else version + marked))
-        return written
-
-    def _before_write(self, tensor: torch.Tensor) -> _Slot:
-        # See NOTE [ Outside tensors written in place ].
-        tape = self.tape
-        slot = _encode_written(tape, tensor)
-        memory = tape.slots[tape.slots[slot].storage_slot]
-        source = memory.source
-        if type(source) is _Borrowed:
-            if _version_of(source.tensor) != source.version:
-                # Limitation: the copy would hold values the scope's earlier reads did not see.
-                raise CheckpointError(
-                    "gradient_checkpoint_scope: a tensor from outside the scope changed between the "
-                    "scope reading it and writing to it, by an op the scope did not see."
-                )
-            memory.source = _Snapshot(source.tensor)
-        return slot
 
 
 class _Tape:
@@ -439,7 +410,7 @@ class _Recording:
         # tensor's storage is stored, not recomputed (that tensor may change it, unseen).
         inputs = [s.source.tensor for s in tape.slots if type(s.source) is _Borrowed]
         borrowed = {id(storage_of(tensor)) for tensor in inputs}
-        replayer.chained = any(_scope_ref(tensor, register=False) is not None for tensor in inputs)
+        replayer.chain.closed(inputs)
         lying = {storages[key][1] for key in borrowed if key in storages and storages[key][0]() is not None}
         for key in list(self.scope_tensors):
             entry = _SCOPE_TENSORS.get(key)
@@ -593,7 +564,7 @@ class _Borrowed:
         return self.tensor
 
 
-# ==================================================================== 3. packing: scope tensors
+# =========================================================================================== 2. the reference
 # NOTE [ What "born in the scope" means ]
 # A pack hook is handed a tensor, not told where it came from. A *scope tensor* is a tensor object
 # that a recorded op returned as new memory (or an undeclared alias of such a tensor:
@@ -790,7 +761,7 @@ class _Delegated:
         return self.unpack_hook(self.packed)
 
 
-# ===================================================================================== 4. replay
+# ============================================================================================== 3. the replay
 # NOTE [ One replay per backward ]
 # The first unpack replays the tape once, with the forward's RNG state inside a fork, and keeps the
 # recomputed tensor of every slot that a live _ScopeTensorRef wants. Each is handed out, and
@@ -802,27 +773,6 @@ class _Delegated:
 # it skips does not shift the others' numbers: each sets its own generator's state, see
 # NOTE [ Random ops ]. And it frees each intermediate as soon as no later op reads it. Each op runs
 # below autograd, as it was recorded, in the grad mode it ran in (a few kernels ask).
-#
-# NOTE [ The first replay of a backward ]
-# Replaying everything at the first unpack has a cost in memory where backward starts. In a chain of
-# scoped blocks (a scope that read an earlier scope's tensor: _Replayer.chained), the first unpack
-# of a backward comes from the last block's consumer (the loss, a head), saving what the block
-# returned; all of the block's other saved tensors are wanted only later, by its own backward. Made
-# at once, they stood beside the consumer's backward temporaries, at the top of the step's memory
-# (every retained tensor is still alive then): one tensor of the last block above torch's
-# checkpoint, which recomputes a block inside the block's own backward (the MLP's 256 KiB, the
-# transformer's LayerNorm statistics; notebook 04 §5). So that first replay serves the references
-# saved after the scope closed (``consumer``: by ops that consume what it returned); the block's own
-# references get a second replay when its backward first unpacks one (_Replayer.split). The first
-# replay keeps the earlier scope's tensor it read, unless it can keep, in its stead and within its
-# bytes, some of the block's own tensors from which the second replay needs no earlier scope's
-# tensor (_kept_for_the_second_replay: on the MLP, the Linear's output, and the second replay runs
-# GELU and the dropout mask only). Cost: the ops of the second replay, at most the last block once
-# more per backward (1/N of a chain's recomputation; on a transformer layer its attention, which
-# reads the block's input). The peak is then torch's or below on every benchmark workload (README).
-# Rejected: doing so for every block (twice the recomputation for no lower peak: later replays stand
-# on memory backward has already freed), or for a scope on its own (what it spares is the same
-# tensors, but the second replay may be its whole tape again).
 #
 # NOTE [ What a replay refuses ]
 # A replay refuses with CheckpointError what would otherwise give silently wrong gradients:
@@ -934,13 +884,8 @@ class _Replayer:
         self.cached_plan: _Plan | None = None
         # The scope's with block has ended: no op will be recorded any more (an input's source may change).
         self.closed = False
-        # Later scopes that read one of our tensors and let it go (_Recomputed), weakly.
-        self.offers: list[weakref.ref[_Recomputed]] = []
-        # (backward, round) of a first replay that served only the consumers, until the rest is served.
-        self.split: tuple[int, int] | None = None
-        # The scope read a tensor of an earlier scope: a block of a chain (NOTE [ The first replay of
-        # a backward ]). Known when the scope closes.
-        self.chained = False
+        # The seam to the peak-parity machinery behind the banner: NOTE [ A chain of scoped blocks ].
+        self.chain = _Chain()
 
     def serve(self, ref: _ScopeTensorRef) -> torch.Tensor:
         """Unpack: the recomputed tensor for ``ref``, replaying first if this round has none."""
@@ -977,22 +922,9 @@ class _Replayer:
     def _replay(self, trigger: _ScopeTensorRef) -> None:
         refs = [r for r in (ref() for ref in self.refs) if r is not None]
         self.refs = [weakref.ref(r) for r in refs]
-        let_go, held, task = True, frozenset(), _graph_task_id()
-        if task != -1 and _thread.replayed_in != task:
-            # The first replay of this backward: see NOTE [ The first replay of a backward ].
-            _thread.replayed_in = task
-            if self.chained and trigger.consumer and not all(r.consumer for r in refs):
-                keep, let_go = _kept_for_the_second_replay(self, refs)
-                # The consumers' tensors (for every reference to them) and those kept.
-                served = keep | {r.storage_slot for r in refs if r.consumer}
-                refs = [r for r in refs if r.storage_slot in served]
-                self.split = (task, self.round + 1)
-        elif self.split is not None:
-            if self.split[0] == task:
-                # The rest, after a first replay that served the consumers (and kept ``held``).
-                refs = [r for r in refs if r.round != self.split[1]]
-                held = frozenset(slot for slot in self.values if any(r.storage_slot == slot for r in refs))
-            self.split = None
+        # Which of them this replay serves, what it has already (``held``), whether it lets go of an
+        # earlier scope's tensors it reads: all of them, nothing, yes, but in a chain of scoped blocks.
+        refs, held, let_go = self.chain.select(self, refs, trigger)
         wanted = Counter(r.storage_slot for r in refs)
         plan = self._plan(wanted, held)
         values: list[Any] = [None] * len(self.slots)
@@ -1021,36 +953,9 @@ class _Replayer:
             _set_grad_enabled(caller_grad)
         self.values = {slot: values[slot] for slot in wanted}
         self.pending = dict(wanted)
-        if self.offers:
-            self.offers = [o for o in self.offers if (offer := o()) is not None and offer.offer(self.values)]
+        if self.chain.offers:
+            self.chain.offer(self.values)
         self.round += 1
-
-
-def _kept_for_the_second_replay(replayer: _Replayer, refs: list[_ScopeTensorRef]) -> tuple[set[int], bool]:
-    """For a first replay that serves the consumers (NOTE [ The first replay of a backward ]): which
-    of the block's own tensors it keeps too, and whether it lets go of the earlier scopes' tensors
-    it reads. It keeps some if then the second replay needs none of those tensors, and they weigh no
-    more than those tensors do (the peak stays where it was); else none, and lets go of nothing."""
-    ops, slots = replayer.ops, replayer.slots
-    consumers = Counter(r.storage_slot for r in refs if r.consumer)
-    own = Counter(r.storage_slot for r in refs if not r.consumer and r.storage_slot not in consumers)
-    first = _plan_replay(ops, slots, consumers, ())
-    earlier = {s for s in first.inputs if type(slots[s].source) is _Borrowed}
-    earlier = {s for s in earlier if _scope_ref(slots[s].source.tensor, register=False) is not None}
-    written = {slots[w].storage_slot for op in ops for w in op.writes}
-    made_by = {o: i for i in first.run for o in ops[i].outputs}
-    # Kept as the first replay made them: memory no op writes to, made by an op it runs; the latest
-    # first (it spares the second replay the most).
-    candidates = sorted((s for s in own if s not in written and s in made_by), key=made_by.get, reverse=True)
-    kept: list[int] = []
-    for slot in candidates[:4]:
-        kept.append(slot)
-        second = _plan_replay(ops, slots, own, (), frozenset(kept))
-        if not earlier & set(second.inputs):
-            size = sum(math.prod(slots[s].meta[0]) * slots[s].meta[3].itemsize for s in kept)
-            budget = sum(slots[s].source.tensor.untyped_storage().nbytes() for s in earlier)
-            return (set(kept), True) if size <= budget else (set(), False)
-    return set(), False
 
 
 def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, let_go: bool) -> None:
@@ -1061,13 +966,9 @@ def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, l
     # Inputs first: if one was modified in place since, fail before running anything.
     for slot in plan.inputs:
         source = slots[slot].source
-        values[slot] = value = source.materialize()
-        if type(source) is _Borrowed and replayer.closed and let_go:
-            # An earlier scope's tensor: from now on, that scope recomputes it. See NOTE
-            # [ Inputs are kept, not recomputed ].
-            ref = _scope_ref(value, register=False)
-            if ref is not None:
-                slots[slot].source = _Recomputed(ref, replayer)
+        values[slot] = source.materialize()
+        if let_go and type(source) is _Borrowed and replayer.closed:
+            replayer.chain.let_go(replayer, slot)  # if an earlier scope's tensor: it recomputes it
     for n, i in enumerate(plan.run):
         op = ops[i]
         # The fields at once, not one attribute at a time (NOTE [ Speed ] (m)).
@@ -1141,7 +1042,44 @@ def _replay_mismatch(op: _Op, got: str, recorded: str) -> CheckpointError:
     )
 
 
-# ============================================================================ 5. resident hooks
+# NOTE [ Random ops ]
+# A replay must draw exactly the numbers the forward drew. The generators' state at the scope's
+# entry (NOTE [ RNG and autocast in a replay ]) is not enough: code in the scope may reseed between
+# two random ops (torch.manual_seed, torch.set_rng_state, fork_rng with a seed, a Generator's
+# manual_seed), and none of that is an aten op the tape could see; a replay from the entry state
+# then drew other numbers, silently. So each op that draws random numbers (OpInfo.random: aten's
+# ``nondeterministic_seeded`` tag, bernoulli_, native_dropout, randn, ...; and any custom op, which
+# can't be known not to) records the state of the generator it draws from just before it draws
+# (``ckpt_lab.rng.GeneratorState``), and the replay sets that state right before re-running it.
+# Its generator: its ``generator`` argument if one is passed, else the default generator of its
+# device (a factory's ``device`` argument, else its first tensor's). Cost: a get_state per random
+# op of the forward (about 1 µs; the CPU's Mersenne Twister state is 5 KB, a CUDA generator's 16
+# bytes), a set_state per random op replayed; the other ops test one attribute. Each generator
+# drawn from is put back after a replay (``ckpt_lab.rng.forked``): the caller's streams go on.
+# Limit: a custom op that draws from another generator than its device's default one (a Generator
+# held in Python, another device's) draws in a replay from wherever the ops replayed before left it:
+# right only if the scope does not reseed it and the replay skips no op that drew from it.
+_NOTHING = contextlib.nullcontext()
+
+
+# NOTE [ RNG and autocast in a replay ]
+# Autocast is *off* during a replay: the dispatch level sits below autocast, so the recorded ops are
+# already cast, and replaying them under autocast would cast again. RNG: the default CPU generator
+# and every device of an already initialised accelerator are captured when the scope opens (it can't
+# be known which devices the scope will draw from; each costs a few µs: ``ckpt_lab.rng``'s
+# ``capture_every_device``), and the replay draws inside a fork, so the caller's stream goes on
+# untouched. An accelerator first initialised inside the scope is replayed from its freshly seeded
+# state (``with_initialised_inside``). Each random op then sets its own generator's state (explicit
+# torch.Generator arguments included): see NOTE [ Random ops ].
+def _autocast_off(state: ReplayState) -> Any:
+    """``state.autocast.restored()`` (autocast off), without entering autocast contexts when autocast
+    is off already (NOTE [ Speed ] (i)). The RNG part of ``state.replay()`` is in _Replayer._replay."""
+    if any(torch.is_autocast_enabled(device_type) for device_type, _, _ in state.autocast.settings):
+        return state.autocast.restored()
+    return _NOTHING
+
+
+# ====================================================================================== 4. the resident hooks
 # NOTE [ Hooks that outlive the with block ]
 # Our pack hook must outlive the with block: in ``with scope(): x = a + b`` then ``y = x * c``, mul
 # saves x after the block has closed. But the saved-tensors-hooks stack is thread-local and strictly
@@ -1311,44 +1249,6 @@ class _AfterBackward:
             self.hooks.release_if_idle()
 
 
-# ================================================================================= 6. RNG in a replay
-# NOTE [ Random ops ]
-# A replay must draw exactly the numbers the forward drew. The generators' state at the scope's
-# entry (NOTE [ RNG and autocast in a replay ]) is not enough: code in the scope may reseed between
-# two random ops (torch.manual_seed, torch.set_rng_state, fork_rng with a seed, a Generator's
-# manual_seed), and none of that is an aten op the tape could see; a replay from the entry state
-# then drew other numbers, silently. So each op that draws random numbers (OpInfo.random: aten's
-# ``nondeterministic_seeded`` tag, bernoulli_, native_dropout, randn, ...; and any custom op, which
-# can't be known not to) records the state of the generator it draws from just before it draws
-# (``ckpt_lab.rng.GeneratorState``), and the replay sets that state right before re-running it.
-# Its generator: its ``generator`` argument if one is passed, else the default generator of its
-# device (a factory's ``device`` argument, else its first tensor's). Cost: a get_state per random
-# op of the forward (about 1 µs; the CPU's Mersenne Twister state is 5 KB, a CUDA generator's 16
-# bytes), a set_state per random op replayed; the other ops test one attribute. Each generator
-# drawn from is put back after a replay (``ckpt_lab.rng.forked``): the caller's streams go on.
-# Limit: a custom op that draws from another generator than its device's default one (a Generator
-# held in Python, another device's) draws in a replay from wherever the ops replayed before left it:
-# right only if the scope does not reseed it and the replay skips no op that drew from it.
-_NOTHING = contextlib.nullcontext()
-
-
-# NOTE [ RNG and autocast in a replay ]
-# Autocast is *off* during a replay: the dispatch level sits below autocast, so the recorded ops are
-# already cast, and replaying them under autocast would cast again. RNG: the default CPU generator
-# and every device of an already initialised accelerator are captured when the scope opens (it can't
-# be known which devices the scope will draw from; each costs a few µs: ``ckpt_lab.rng``'s
-# ``capture_every_device``), and the replay draws inside a fork, so the caller's stream goes on
-# untouched. An accelerator first initialised inside the scope is replayed from its freshly seeded
-# state (``with_initialised_inside``). Each random op then sets its own generator's state (explicit
-# torch.Generator arguments included): see NOTE [ Random ops ].
-def _autocast_off(state: ReplayState) -> Any:
-    """``state.autocast.restored()`` (autocast off), without entering autocast contexts when autocast
-    is off already (NOTE [ Speed ] (i)). The RNG part of ``state.replay()`` is in _Replayer._replay."""
-    if any(torch.is_autocast_enabled(device_type) for device_type, _, _ in state.autocast.settings):
-        return state.autocast.restored()
-    return _NOTHING
-
-
 # ======================================================================================================
 # Hardening: what real code needs besides the mechanism above. Each part is a NOTE the code cites.
 # ======================================================================================================
@@ -1387,8 +1287,6 @@ _LACKING = [
 #   which autograd can't save. A later recorded op reads them as inputs (kept by reference, see
 #   NOTE [ Inputs are kept, not recomputed ]) rather than a replay recomputing, say, a teacher's
 #   forward. Ops under inference_mode that write in place are recorded: a replay must see the write.
-
-
 # NOTE [ A scope inside a checkpoint ]
 # Some checkpoints re-run their region in backward and match what the re-run saves to what the
 # forward saved, *by position*: torch.utils.checkpoint's non-reentrant checkpoint, ckpt_lab's
@@ -1482,6 +1380,31 @@ def _inside_a_checkpoint() -> bool:
             _push_saved_tensors_default_hooks(pack, unpack)
 
 
+# NOTE [ A chain of scoped blocks ]
+# Two NOTEs, and the machinery they explain, keep a chain of scoped blocks (a scope that read an
+# earlier scope's tensor) at torch's peak: the replay reaches it through one seam, _Replayer.chain.
+#
+# NOTE [ The first replay of a backward ]
+# Replaying everything at the first unpack has a cost in memory where backward starts. In a chain of
+# scoped blocks (a scope that read an earlier scope's tensor: _Replayer.chained), the first unpack
+# of a backward comes from the last block's consumer (the loss, a head), saving what the block
+# returned; all of the block's other saved tensors are wanted only later, by its own backward. Made
+# at once, they stood beside the consumer's backward temporaries, at the top of the step's memory
+# (every retained tensor is still alive then): one tensor of the last block above torch's
+# checkpoint, which recomputes a block inside the block's own backward (the MLP's 256 KiB, the
+# transformer's LayerNorm statistics; notebook 04 §5). So that first replay serves the references
+# saved after the scope closed (``consumer``: by ops that consume what it returned); the block's own
+# references get a second replay when its backward first unpacks one (_Replayer.split). The first
+# replay keeps the earlier scope's tensor it read, unless it can keep, in its stead and within its
+# bytes, some of the block's own tensors from which the second replay needs no earlier scope's
+# tensor (_kept_for_the_second_replay: on the MLP, the Linear's output, and the second replay runs
+# GELU and the dropout mask only). Cost: the ops of the second replay, at most the last block once
+# more per backward (1/N of a chain's recomputation; on a transformer layer its attention, which
+# reads the block's input). The peak is then torch's or below on every benchmark workload (README).
+# Rejected: doing so for every block (twice the recomputation for no lower peak: later replays stand
+# on memory backward has already freed), or for a scope on its own (what it spares is the same
+# tensors, but the second replay may be its whole tape again).
+#
 # NOTE [ Inputs are kept, not recomputed ]
 # Tensors from outside the scope that a replay reads (inputs, parameters) are kept by strong
 # reference until every reference autograd holds and every scope tensor is gone: an input nothing
@@ -1499,6 +1422,88 @@ def _inside_a_checkpoint() -> bool:
 # backward, the earlier scope's next replay offers its copy back (_Recomputed.offer), kept if a
 # reference of the later scope is still alive then (the graph is retained); otherwise a second
 # replay of the later scope asks the earlier one for it, and the replays would cascade down a chain.
+class _Chain:
+    """A scope's part in a chain of scoped blocks, the replay's one seam to the machinery that keeps
+    its peak at torch's: NOTE [ The first replay of a backward ], NOTE [ Inputs are kept, not
+    recomputed ]. For a scope on its own every method leaves the replay as it was."""
+
+    __slots__ = ("chained", "offers", "split")
+
+    def __init__(self) -> None:
+        # The scope read a tensor of an earlier scope: a block of a chain. Known when the scope closes.
+        self.chained = False
+        # Later scopes that read one of our tensors and let it go (_Recomputed), weakly.
+        self.offers: list[weakref.ref[_Recomputed]] = []
+        # (backward, round) of a first replay that served only the consumers, until the rest is served.
+        self.split: tuple[int, int] | None = None
+
+    def closed(self, inputs: list[torch.Tensor]) -> None:
+        """The scope closed, having read ``inputs`` from outside: is one an earlier scope's tensor?"""
+        self.chained = any(_scope_ref(tensor, register=False) is not None for tensor in inputs)
+
+    def select(
+        self, replayer: _Replayer, refs: list[_ScopeTensorRef], trigger: _ScopeTensorRef
+    ) -> tuple[list[_ScopeTensorRef], frozenset, bool]:
+        """The references a replay serves, the slots it has already, whether it lets go of the
+        earlier scopes' tensors it reads (``_run_plan``)."""
+        let_go, held, task = True, frozenset(), _graph_task_id()
+        if task != -1 and _thread.replayed_in != task:
+            # The first replay of this backward: see NOTE [ The first replay of a backward ].
+            _thread.replayed_in = task
+            if self.chained and trigger.consumer and not all(r.consumer for r in refs):
+                keep, let_go = _kept_for_the_second_replay(replayer, refs)
+                # The consumers' tensors (for every reference to them) and those kept.
+                served = keep | {r.storage_slot for r in refs if r.consumer}
+                refs = [r for r in refs if r.storage_slot in served]
+                self.split = (task, replayer.round + 1)
+        elif self.split is not None:
+            if self.split[0] == task:
+                # The rest, after a first replay that served the consumers (and kept ``held``).
+                refs = [r for r in refs if r.round != self.split[1]]
+                held = frozenset(s for s in replayer.values if any(r.storage_slot == s for r in refs))
+            self.split = None
+        return refs, held, let_go
+
+    def let_go(self, replayer: _Replayer, slot: int) -> None:
+        """After a replay read input ``slot``: if it is an earlier scope's tensor, from now on that
+        scope recomputes it (NOTE [ Inputs are kept, not recomputed ])."""
+        record = replayer.slots[slot]
+        ref = _scope_ref(record.source.tensor, register=False)
+        if ref is not None:
+            record.source = _Recomputed(ref, replayer)
+
+    def offer(self, values: dict[int, torch.Tensor]) -> None:
+        """This scope replayed: offer later scopes what they let go of (``_Recomputed.offer``)."""
+        self.offers = [o for o in self.offers if (offer := o()) is not None and offer.offer(values)]
+
+
+def _kept_for_the_second_replay(replayer: _Replayer, refs: list[_ScopeTensorRef]) -> tuple[set[int], bool]:
+    """For a first replay that serves the consumers (NOTE [ The first replay of a backward ]): which
+    of the block's own tensors it keeps too, and whether it lets go of the earlier scopes' tensors
+    it reads. It keeps some if then the second replay needs none of those tensors, and they weigh no
+    more than those tensors do (the peak stays where it was); else none, and lets go of nothing."""
+    ops, slots = replayer.ops, replayer.slots
+    consumers = Counter(r.storage_slot for r in refs if r.consumer)
+    own = Counter(r.storage_slot for r in refs if not r.consumer and r.storage_slot not in consumers)
+    first = _plan_replay(ops, slots, consumers, ())
+    earlier = {s for s in first.inputs if type(slots[s].source) is _Borrowed}
+    earlier = {s for s in earlier if _scope_ref(slots[s].source.tensor, register=False) is not None}
+    written = {slots[w].storage_slot for op in ops for w in op.writes}
+    made_by = {o: i for i in first.run for o in ops[i].outputs}
+    # Kept as the first replay made them: memory no op writes to, made by an op it runs; the latest
+    # first (it spares the second replay the most).
+    candidates = sorted((s for s in own if s not in written and s in made_by), key=made_by.get, reverse=True)
+    kept: list[int] = []
+    for slot in candidates[:4]:
+        kept.append(slot)
+        second = _plan_replay(ops, slots, own, (), frozenset(kept))
+        if not earlier & set(second.inputs):
+            size = sum(math.prod(slots[s].meta[0]) * slots[s].meta[3].itemsize for s in kept)
+            budget = sum(slots[s].source.tensor.untyped_storage().nbytes() for s in earlier)
+            return (set(kept), True) if size <= budget else (set(), False)
+    return set(), False
+
+
 class _Recomputed:
     """An earlier scope's tensor that a replay read as an input (a _Borrowed until then), let go
     after that replay: see NOTE [ Inputs are kept, not recomputed ]."""
@@ -1512,7 +1517,7 @@ class _Recomputed:
         self.wanted = False
         # The earlier scope offers us what its next replay recomputes (``offer``).
         with ref.replayer.lock:
-            ref.replayer.offers.append(weakref.ref(self))
+            ref.replayer.chain.offers.append(weakref.ref(self))
 
     def offer(self, values: dict[int, torch.Tensor]) -> bool:
         """The earlier scope replayed, with ``values`` by storage slot: keep ours if the reading scope may
@@ -1562,17 +1567,33 @@ class _Alias:
 # its writes are replayed into the recomputed memory (_Alias). Refused with CheckpointError: an
 # outside tensor that changed, by an op the scope did not see, between the scope reading it and
 # writing to it.
-class _Snapshot:
-    """An input the scope writes to in place, copied just before the first write: each replay writes
-    into a copy of this copy, and the input itself is updated exactly once, by the forward."""
+def _before_writes(tape: _Tape, info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[_Slot, int | None]]:
+    """Before an op that writes in place runs: copy the outside tensors it is about to write to.
 
-    __slots__ = ("tensor",)
+    Returns (slot, version it will have after the op) for each tensor written.
+    """
+    written = []
+    for tensor, marked in info.written(args, kwargs):
+        version = _version_of(tensor)
+        # A marked write bumps the version above us (ADInplaceOrView), after the op returns to autograd.
+        written.append((_before_write(tape, tensor), None if version is None else version + marked))
+    return written
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor.clone()
 
-    def materialize(self) -> torch.Tensor:
-        return self.tensor.clone()
+def _before_write(tape: _Tape, tensor: torch.Tensor) -> _Slot:
+    # See NOTE [ Outside tensors written in place ].
+    slot = _encode_written(tape, tensor)
+    memory = tape.slots[tape.slots[slot].storage_slot]
+    source = memory.source
+    if type(source) is _Borrowed:
+        if _version_of(source.tensor) != source.version:
+            # Limitation: the copy would hold values the scope's earlier reads did not see.
+            raise CheckpointError(
+                "gradient_checkpoint_scope: a tensor from outside the scope changed between the "
+                "scope reading it and writing to it, by an op the scope did not see."
+            )
+        memory.source = _Snapshot(source.tensor)
+    return slot
 
 
 def _encode_written(tape: _Tape, tensor: torch.Tensor) -> _Slot:
@@ -1588,6 +1609,19 @@ def _encode_written(tape: _Tape, tensor: torch.Tensor) -> _Slot:
     if swapped and entry[2] != id(storage_of(tensor)):
         return tape.add_input(tensor)
     return tape.encode(tensor)
+
+
+class _Snapshot:
+    """An input the scope writes to in place, copied just before the first write: each replay writes
+    into a copy of this copy, and the input itself is updated exactly once, by the forward."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.clone()
+
+    def materialize(self) -> torch.Tensor:
+        return self.tensor.clone()
 
 
 _dynamo_skips: list[Any] = []
