@@ -289,14 +289,16 @@ class _Tape:
             return
         by_id, encoded, reads = self.by_id, [], []
         for a in args:
-            # ``encode``, inlined for a tensor the tape knows: NOTE [ Speed ] (c).
-            entry = by_id.get(id(a)) if isinstance(a, torch.Tensor) else None
-            a = entry[1] if entry is not None and entry[0]() is a else self.encode(a)
-            encoded.append(a)
-            if type(a) is _Slot:
+            # ``encode``, inlined for a tensor and for a plain value: NOTE [ Speed ] (c).
+            if isinstance(a, torch.Tensor):
+                entry = by_id.get(id(a))
+                a = entry[1] if entry is not None and entry[0]() is a else self.add_input(a)
                 reads.append(a)
-            elif type(a) is _Nested:
-                reads.extend(v for v in a if type(v) is _Slot)
+            elif type(a) in (list, tuple):
+                a = self.encode(a)
+                if type(a) is _Nested:
+                    reads.extend(v for v in a if type(v) is _Slot)
+            encoded.append(a)
         args = tuple(encoded)
         if kwargs:
             kwargs = {k: self.encode(v) for k, v in kwargs.items()}
@@ -811,7 +813,11 @@ def _slot_args(args: Any) -> list[_Slot]:
 
 
 def _plan_replay(
-    ops: list[_Op], slots: list[_SlotRecord], wanted: Counter[int], key: tuple, held: frozenset = frozenset()
+    ops: list[_Op],
+    slots: list[_SlotRecord],
+    wanted: dict[int, int],
+    key: tuple,
+    held: frozenset = frozenset(),
 ) -> _Plan:
     """What a replay for ``wanted`` (storage slots) runs: see NOTE [ One replay per backward ].
     ``held``: slots whose tensors the replay already has (NOTE [ The first replay of a backward ])."""
@@ -911,7 +917,7 @@ class _Replayer:
                 self.pending.pop(ref.storage_slot, None)
         return value if ref.geometry is None else _restrided(value, ref.geometry)
 
-    def _plan(self, wanted: Counter[int], held: frozenset = frozenset()) -> _Plan:
+    def _plan(self, wanted: dict[int, int], held: frozenset = frozenset()) -> _Plan:
         """What a replay for ``wanted`` runs (``_plan_replay``); computed again only if ops were
         recorded since (the scope is open) or other tensors are wanted."""
         key = (len(self.ops), frozenset(wanted), held)
@@ -925,7 +931,9 @@ class _Replayer:
         # Which of them this replay serves, what it has already (``held``), whether it lets go of an
         # earlier scope's tensors it reads: all of them, nothing, yes, but in a chain of scoped blocks.
         refs, held, let_go = self.chain.select(self, refs, trigger)
-        wanted = Counter(r.storage_slot for r in refs)
+        wanted: dict[int, int] = {}  # storage slot -> how many references want it (not a Counter: speed)
+        for r in refs:
+            wanted[r.storage_slot] = wanted.get(r.storage_slot, 0) + 1
         plan = self._plan(wanted, held)
         values: list[Any] = [None] * len(self.slots)
         for slot in held:
@@ -990,7 +998,12 @@ def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, l
         # op.func(...), without its Python frame: NOTE [ Speed ] (k).
         out = call(*args, **{k: _resolve(v, values) for k, v in kwargs.items()}) if kwargs else call(*args)
         if type(out) is torch.Tensor and len(outputs) == 1:
-            _check_replayed(op, out, metas[0])
+            try:  # _check_replayed, inlined for a strided tensor that passes: NOTE [ Speed ] (d)
+                same = (out.shape, out.stride(), out.storage_offset(), out.dtype, out.device) == metas[0]
+            except (RuntimeError, NotImplementedError):
+                same = False
+            if not same:
+                _check_replayed(op, out, metas[0])
             values[outputs[0]] = out
         else:
             recomputed = [t for t, _ in _outputs(out, ())]
@@ -1658,8 +1671,8 @@ def _skip_dynamo(code: types.CodeType) -> None:
 #     flattens by hand, without pytree's generic (and slower) traversal. The common paths of a
 #     recorded op are written out in _Tape.record (a known tensor argument, an output's metadata,
 #     new memory), the rare ones are calls (encode, _alias_slot).
-# (d) type(x) is _Slot rather than isinstance(), and _resolve inlined where it runs once per
-#     argument of every replayed op.
+# (d) type(x) is _Slot rather than isinstance(), and _resolve and _check_replayed inlined where they
+#     run once per argument or output of every replayed op; a Counter's Python-level update avoided.
 # (e) One shared empty dict (_NO_KWARGS) for ops called without keyword arguments.
 # (f) The per-tensor objects (_SlotRecord, _ScopeTensorRef, _ScopeTensor, ...) have __slots__; and
 #     _ScopeTensor is a weakref subclass, the one weak reference a scope tensor costs: the tape's
