@@ -7,26 +7,23 @@ written from scratch. Introduced in notebook 04::
         x = a + b
     y = x * c        # autograd saves a small reference instead of x; backward re-runs a + b
 
-``ckpt_lab.scope_core`` is the same mechanism at its smallest (read it first); this is the shipped
-scope, hardened for real code. Both pass ``ckpt_lab.scope_checks``. Top to bottom:
+``ckpt_lab.scope_core`` is the same mechanism at its smallest, in the same sections and names (read it
+first); this is the shipped scope, hardened for real code. Both pass ``ckpt_lab.scope_checks``. After
+the entry point (where a scope does nothing, the accessors notebooks use):
 
-1. The public API: the entry point, where a scope does nothing, and the accessors notebooks use.
-2. Recording: ``_RecordingMode`` writes every aten op onto a ``_Tape``; the ``_Recording`` is the
-   scope's lifetime (open or closed, which of its scope tensors are alive).
-3. Packing: ``_PackHook`` recognises a scope tensor by its identity, in ``_SCOPE_TENSORS``.
-4. Replay: ``_Replayer`` re-runs what the wanted tensors need (``_plan_replay``), once per backward,
-   and checks what it recomputed.
-5. The resident hooks: how our pack hook outlives the ``with`` block, and how it is released.
-6. RNG: the forward's random numbers, drawn again (the capture itself lives in ``ckpt_lab.rng``).
+1. The tape: ``_RecordingMode`` records every aten op (``_Op``) onto the ``_Tape`` of the scope's
+   ``_Recording``, one ``_SlotRecord`` per tensor.
+2. The reference: ``_PackHook`` knows a scope tensor by its identity (``_SCOPE_TENSORS``) and returns
+   a ``_ScopeTensorRef`` instead; other tensors are ``_Stored`` or ``_Delegated``.
+3. The replay: ``_Replayer.serve`` replays once per backward what the wanted tensors need
+   (``_plan_replay``), each random op from its generator's recorded state, and checks the result.
+4. The resident hooks: ``_ResidentHooks.restack`` keeps our pack hook past the ``with`` block.
 
-Then, behind a banner, the hardening: what the tape leaves out, a scope inside a checkpoint, outside
-inputs let go once replayed, in-place writes to outside tensors, aliases of the scope's memory, and
-Dynamo. Last, an appendix: NOTE [ Speed ], the shortcuts of the per-op path, lettered (a) to (n)
-and cited from the code. The design notes sit next to the code they explain, as ``NOTE [ ... ]``
-comments that the code cites.
-
-Copying this file takes ``ckpt_lab/errors.py``, ``ckpt_lab/rng.py`` and ``ckpt_lab/_aten.py`` with it:
-it imports nothing else of ``ckpt_lab``.
+Then, behind a banner, the hardening, each part a ``NOTE [ ... ]`` the code cites: torch's private
+names, what the tape leaves out, a scope inside a checkpoint, a chain of scoped blocks kept at
+torch's peak (``_Chain``, the replay's one seam to it), writes to outside tensors, Dynamo; last,
+NOTE [ Speed ], the per-op shortcuts, lettered (a) to (n). Copying this file takes
+``ckpt_lab/errors.py``, ``ckpt_lab/rng.py`` and ``ckpt_lab/_aten.py``, nothing else of ``ckpt_lab``.
 """
 
 from __future__ import annotations
@@ -80,16 +77,12 @@ _set_grad_enabled = getattr(torch._C, "_set_grad_enabled", None) or torch.set_gr
 def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[None]:
     """Every tensor created inside is recomputed in backward instead of being stored for it.
 
-    ``torch.utils.checkpoint`` takes a function and stores what goes in and what comes out: with
-    ``x = checkpoint(lambda a, b: a + b, a, b)``, ``x * c`` saves ``x``, alive until backward. Here
-    ``x`` itself is recomputed, so it is freed as soon as the user drops it.
-
-    What counts as created inside (a ``detach()``, a parameter, optimizer state made in the scope
-    do not) is NOTE [ What "born in the scope" means ]; what a replay refuses, and what it cannot
-    see, is NOTE [ What a replay refuses ].
-
-    ``preserve_rng_state=False`` skips the RNG snapshots: only safe if the scope draws no random
-    numbers, or if different ones in the recomputation are acceptable.
+    ``torch.utils.checkpoint`` stores what goes in and comes out of its function: with ``x =
+    checkpoint(lambda a, b: a + b, a, b)``, ``x * c`` keeps ``x`` until backward; here ``x`` is
+    recomputed, freed as soon as the user drops it. What counts as created inside: NOTE [ What "born
+    in the scope" means ]; what a replay refuses: NOTE [ What a replay refuses ].
+    ``preserve_rng_state=False`` skips the RNG snapshots: safe only if the scope draws no random
+    numbers, or different ones in the recomputation are acceptable.
     """
     if _LACKING:
         raise missing_error(_LACKING[0], "gradient_checkpoint_scope")  # NOTE [ Private names ]
@@ -183,7 +176,7 @@ class _ThreadState(threading.local):
     in_hook = 0
     # The backward (graph task) in which this thread last replayed: NOTE [ The first replay of a backward ].
     replayed_in = -1
-    # This thread's resident hooks, made on first use (see section 5).
+    # This thread's resident hooks, made on first use (section 4).
     hooks: _ResidentHooks | None = None
 
 
@@ -240,16 +233,13 @@ class _Tape:
     def __init__(self, register: Any) -> None:
         self.ops: list[_Op] = []
         self.slots: list[_SlotRecord] = []
-        # While recording: id(tensor) -> (weakref, slot), and for an input the id of its storage.
-        # Weak, or the scope would keep its tensors.
+        # While recording, weakly (ids get reused): id(tensor) -> (weakref, slot[, id of an input's
+        # storage]); id(storage) -> (weakref, storage slot) for memory the scope made, to tell an
+        # undeclared alias (or a .data) of it from an input.
         self.by_id: dict[int, tuple] = {}
-        # While recording: id(storage) -> (weakref, storage slot) for the memory the scope made, to tell
-        # an undeclared alias (or a .data) of it from an input. Checked by the weakref: ids get reused.
         self.storages: dict[int, tuple[weakref.ref, _Slot]] = {}
-        # See NOTE [ Random ops ]: the first draw from each generator (key: the generator or device).
-        self.drawn: dict[Any, GeneratorState] = {}
-        # The recording's ``register`` (a scope tensor is registered as it is made); None once the
-        # scope closed: it would keep the recording in a cycle.
+        self.drawn: dict[Any, GeneratorState] = {}  # the first draw from each generator: NOTE [ Random ops ]
+        # The recording's ``register``; None once the scope closed (it would keep the recording in a cycle).
         self.register = register
 
     def encode(self, value: Any) -> Any:
@@ -371,7 +361,7 @@ def _alias_slot(tape: _Tape, tensor: torch.Tensor, known: tuple | None, args: tu
 
 class _Recording:
     """One scope's lifetime: its tape and replayer, open or not, and which of its scope tensors are
-    still alive (while any is, our resident hook stays: section 5)."""
+    still alive (while any is, our resident hook stays: section 4)."""
 
     def __init__(self, hooks: _ResidentHooks, preserve_rng_state: bool) -> None:
         self.hooks = hooks
@@ -428,12 +418,6 @@ class _Recording:
         if not self.scope_tensors:
             self.hooks.live_recordings.discard(self)
 
-    def scope_tensor_died(self, key: int) -> None:
-        """A scope tensor of this recording died (on any thread)."""
-        self.scope_tensors.discard(key)
-        if not self.scope_tensors and not self.open:
-            self.hooks.forget(self)
-
 
 class _Slot(int):
     """A slot number of a recording. In a recorded op's arguments it stands for the slot's tensor (an
@@ -460,23 +444,16 @@ class _SlotRecord:
         is_scope_tensor: bool,
         version_slot: _Slot,
     ) -> None:
-        # None for a tensor an op made, else how a replay gets it: _Borrowed, or _Snapshot once the
-        # scope wrote to it, or _Alias for another tensor object on memory the scope made.
+        # None for a tensor an op made, else how a replay gets it: _Borrowed, _Snapshot once the scope
+        # wrote to it, _Alias for another tensor object on memory the scope made.
         self.source = source
-        # The slot whose storage it lives in: itself for new memory and for inputs.
-        self.storage_slot = storage_slot
-        # The slot whose version counter it shares: its base's for a view, else itself. Not the storage
-        # slot for an undeclared alias (unsafe_split's chunks count their own writes), nor for an _Alias.
+        self.storage_slot = storage_slot  # the slot whose storage it lives in (itself: new memory, inputs)
+        # The slot whose version counter it shares: its base's for a view, else itself (an undeclared
+        # alias counts its own writes, as unsafe_split's chunks do).
         self.version_slot = version_slot
-        # For a slot with a counter of its own made in the scope (else None): its version after the
-        # last recorded op.
-        self.version = version
-        # For a slot owning new memory: its metadata (which tells a view of it that autograd saves
-        # from the tensor itself).
-        self.meta = meta
-        # A registered scope tensor (new memory made with grad on, or an undeclared alias of it): see
-        # NOTE [ What "born in the scope" means ].
-        self.is_scope_tensor = is_scope_tensor
+        self.version = version  # a counter of its own made in the scope: its version after the last op
+        self.meta = meta  # new memory: its metadata (tells a view of it autograd saves from the tensor)
+        self.is_scope_tensor = is_scope_tensor  # registered: NOTE [ What "born in the scope" means ]
 
 
 class _Op(NamedTuple):
@@ -569,36 +546,23 @@ class _Borrowed:
 # =========================================================================================== 2. the reference
 # NOTE [ What "born in the scope" means ]
 # A pack hook is handed a tensor, not told where it came from. A *scope tensor* is a tensor object
-# that a recorded op returned as new memory (or an undeclared alias of such a tensor:
-# _SlotRecord.is_scope_tensor), or a view autograd made of one, in the scope or after it: its
-# ``_base`` is one (a 3-d Linear after the scope saves a view of its input). _SCOPE_TENSORS maps
-# id(tensor) to its _ScopeTensor, a weak reference naming the recording and the slot whose storage
-# it lives in.
-# Process-wide, so a scope tensor saved by any thread is recognised. PyTorch keeps a tensor's
-# Python object exactly as long as the tensor, and the weakref callback removes the entry before
-# the id can be reused.
-#
-# By identity, not by storage: another tensor object on the same memory is a plain value, stored as
-# autograd would store it, and it does not keep the recording (nor the inputs its tape keeps) alive:
-# * a ``detach()``, made in the scope or after it. Truncated BPTT carries the hidden state into the
-#   next chunk so, and the optimizer updates the parameters its record read in between: recomputed
-#   from the record, it would have read the new ones (refused by version) or, updated through
-#   ``.data``, silently. And each chunk's state would have kept the previous chunk's record alive;
-# * a ``.data``, a Parameter wrapped around a tensor made in the scope (``nn.Linear`` built in the
-#   scope, a LazyLinear's first forward, ``nn.Parameter(torch.empty(...))`` initialised in place);
-#   inside the scope such a tensor is read as a view of the memory it shares (_Alias), so that a
-#   replay sees the writes made through it, and they see the replay's;
-# * a leaf that requires grad made in the scope (``torch.zeros(3, requires_grad=True)``): the user's
-#   state, which its AccumulateGrad node keeps anyway. Unregistered when the scope closes;
-# * new memory made with grad mode off: an optimizer's state (SGD's momentum buffer, Adam's moments
-#   when ``opt.step()`` runs in the scope), statistics, a target computed under no_grad. Not an
-#   activation, often long-lived: registered, it held a hook on the stack for the optimizer's life.
-#   Recorded all the same, so that a replay computes what reads it.
-# A recording lives as long as one of its scope tensors (a view keeps its base through ``_base``),
-# no longer: a ``loss.detach()`` logged after backward holds no hook on the stack.
-# Limits: an alias made without autograd after the scope (``.data``, ``as_strided`` on it) is not
-# recognised, so it is stored (memory, never gradients); a write through ``.data`` after the scope
-# is not seen at all: see NOTE [ What a replay refuses ].
+# a recorded op returned as new memory (or an undeclared alias of one: _SlotRecord.is_scope_tensor),
+# or a view autograd made of one (its ``_base`` is one). _SCOPE_TENSORS maps id(tensor) to its
+# _ScopeTensor, a weak reference naming its recording and storage slot; process-wide, so any thread's
+# save is recognised (a tensor's Python object lives exactly as long as the tensor, and the weakref
+# callback removes the entry before its id can be reused).
+# By identity, not by storage: another tensor object on the same memory is stored as autograd would,
+# and does not keep the recording (nor its inputs) alive:
+# * a ``detach()`` (truncated BPTT's hidden state: recomputed from the record, it would have read the
+#   parameters the optimizer updated since, and kept the previous chunk's record alive);
+# * a ``.data``, a Parameter wrapped around memory made in the scope (``nn.Linear`` built in it);
+#   inside the scope it is read as a view of that memory (_Alias), so replays and its writes agree;
+# * a leaf that requires grad made in the scope: the user's state (unregistered when the scope closes);
+# * new memory made with grad off (an optimizer's state, statistics): not an activation, often long
+#   lived; registered, it held a hook for the optimizer's life. Recorded all the same.
+# A recording lives as long as one of its scope tensors. Limits: an alias made without autograd after
+# the scope (``.data``) is stored (memory, never gradients); a write through ``.data`` after the scope
+# is not seen at all (NOTE [ What a replay refuses ]).
 class _ScopeTensor(weakref.ref):
     """A scope tensor, as the registry knows it: a weak reference to it, naming the recording, the
     slot whose storage it lives in and the slot whose version counter it shares."""
@@ -614,7 +578,7 @@ def _scope_tensor_died(entry: _ScopeTensor) -> None:
     if _SCOPE_TENSORS.get(entry.key) is entry:
         del _SCOPE_TENSORS[entry.key]
         recording = entry.recording
-        # recording.scope_tensor_died(key), inlined for the common case: NOTE [ Speed ] (l).
+        # The recording's bookkeeping, here rather than in a method of it: NOTE [ Speed ] (l).
         recording.scope_tensors.discard(entry.key)
         if not recording.scope_tensors and not recording.open:
             recording.hooks.forget(recording)
@@ -765,14 +729,13 @@ class _Delegated:
 
 # ============================================================================================== 3. the replay
 # NOTE [ One replay per backward ]
-# The first unpack replays the tape once, with the forward's RNG state inside a fork, and keeps the
-# recomputed tensor of every slot that a live _ScopeTensorRef wants. Each is handed out, and
-# dropped as soon as every reference that wanted it has it: backward then holds the only
-# references. A second unpack of the same reference (retain_graph, a second backward) starts a new
-# round: it replays again. (One exception, for a chain of scoped blocks: NOTE [ The first replay of
-# a backward ].) A replay runs only the ops a wanted tensor depends on (_plan_replay):
-# those that made it, wrote into its memory, or made what those read, and so on back. A random op
-# it skips does not shift the others' numbers: each sets its own generator's state, see
+# The first unpack replays the tape once (the forward's RNG state, in a fork) and keeps the tensor
+# of every slot a live _ScopeTensorRef wants, each dropped once every reference that wanted it has
+# it. A second unpack of the same reference (retain_graph) starts a new round: it replays again
+# (except in a chain of scoped blocks: NOTE [ The first replay of a backward ]). A replay runs only
+# the ops a wanted tensor depends on (_plan_replay), each below autograd in the grad mode it ran in,
+# and frees each intermediate after its last reader; a random op it skips does not shift the others'
+# numbers (NOTE [ Random ops ]).
 # NOTE [ Random ops ]. And it frees each intermediate as soon as no later op reads it. Each op runs
 # below autograd, as it was recorded, in the grad mode it ran in (a few kernels ask).
 #
@@ -781,16 +744,12 @@ class _Delegated:
 # (1) an outside tensor modified in place since the scope read it;
 # (2) a scope tensor modified in place after autograd saved it;
 # (3) recomputed outputs whose number, shape, strides, storage offset, dtype or device differ.
-# Modifications through .data bypass version counters, here as in autograd: (1) and (2) can't see
-# them, (3) catches those that change what a recomputed tensor looks like. A scope tensor a replay
-# could not reproduce is stored instead of recomputed (see _scope_ref).
-# Not detectable, so not refused: a scope tensor written through ``.data`` *after the scope* and
-# *before* autograd saves it. ``with scope(): w = a.sin()``,
-# then ``w.data.mul_(3)``, then ``y = w * c``: autograd saves the current w, 3·sin(a), and a replay
-# recomputes sin(a), so c.grad comes out a third of the plain run's. Nothing tells the two apart
-# but the values themselves (a checksum per saved tensor would cost a pass over its memory in the
-# forward and could not tolerate a nondeterministic kernel's last bits). Without the scope the same
-# write *after* the save would go unseen too; here it is the write before it.
+# Writes through .data bypass version counters, here as in autograd: (3) catches those that change
+# what a recomputed tensor looks like. A scope tensor a replay could not reproduce is stored (_scope_ref).
+# Not detectable: a scope tensor written through ``.data`` after the scope and before autograd saves
+# it (``w.data.mul_(3)`` then ``y = w * c``: the replay recomputes the old w, c.grad a third of the
+# plain run's). Only the values tell them apart (a checksum would cost a pass over every saved tensor
+# and could not tolerate a nondeterministic kernel).
 class _Plan(NamedTuple):
     """What one replay runs, for one set of wanted storage slots: see NOTE [ One replay per backward ]."""
 
@@ -1056,34 +1015,23 @@ def _replay_mismatch(op: _Op, got: str, recorded: str) -> CheckpointError:
 
 
 # NOTE [ Random ops ]
-# A replay must draw exactly the numbers the forward drew. The generators' state at the scope's
-# entry (NOTE [ RNG and autocast in a replay ]) is not enough: code in the scope may reseed between
-# two random ops (torch.manual_seed, torch.set_rng_state, fork_rng with a seed, a Generator's
-# manual_seed), and none of that is an aten op the tape could see; a replay from the entry state
-# then drew other numbers, silently. So each op that draws random numbers (OpInfo.random: aten's
-# ``nondeterministic_seeded`` tag, bernoulli_, native_dropout, randn, ...; and any custom op, which
-# can't be known not to) records the state of the generator it draws from just before it draws
-# (``ckpt_lab.rng.GeneratorState``), and the replay sets that state right before re-running it.
-# Its generator: its ``generator`` argument if one is passed, else the default generator of its
-# device (a factory's ``device`` argument, else its first tensor's). Cost: a get_state per random
-# op of the forward (about 1 µs; the CPU's Mersenne Twister state is 5 KB, a CUDA generator's 16
-# bytes), a set_state per random op replayed; the other ops test one attribute. Each generator
-# drawn from is put back after a replay (``ckpt_lab.rng.forked``): the caller's streams go on.
-# Limit: a custom op that draws from another generator than its device's default one (a Generator
-# held in Python, another device's) draws in a replay from wherever the ops replayed before left it:
-# right only if the scope does not reseed it and the replay skips no op that drew from it.
+# A replay must draw the forward's numbers. The state at the scope's entry is not enough: code in
+# the scope may reseed between two random ops (manual_seed, set_rng_state, fork_rng), unseen by the
+# tape. So each op that draws (OpInfo.random: aten's ``nondeterministic_seeded`` tag, and any custom
+# op) records its generator's state just before it draws (``ckpt_lab.rng.GeneratorState``: its
+# ``generator`` argument, else its device's default one), and the replay sets it right before
+# re-running it; each generator is put back afterwards (``forked``). Cost: a get_state per random op
+# (the CPU's Mersenne Twister state is 5 KB), a set_state per one replayed. Limit: a custom op drawing
+# from another generator draws from wherever the replay left it.
 _NOTHING = contextlib.nullcontext()
 
 
 # NOTE [ RNG and autocast in a replay ]
-# Autocast is *off* during a replay: the dispatch level sits below autocast, so the recorded ops are
-# already cast, and replaying them under autocast would cast again. RNG: the default CPU generator
-# and every device of an already initialised accelerator are captured when the scope opens (it can't
-# be known which devices the scope will draw from; each costs a few µs: ``ckpt_lab.rng``'s
-# ``capture_every_device``), and the replay draws inside a fork, so the caller's stream goes on
-# untouched. An accelerator first initialised inside the scope is replayed from its freshly seeded
-# state (``with_initialised_inside``). Each random op then sets its own generator's state (explicit
-# torch.Generator arguments included): see NOTE [ Random ops ].
+# Autocast is off during a replay: below autograd the recorded ops are already cast. The default
+# CPU generator and every initialised accelerator's are captured when the scope opens
+# (``capture_every_device``) and the replay draws in a fork; an accelerator first initialised inside
+# the scope replays from its freshly seeded state (``with_initialised_inside``). Each random op then
+# sets its own generator's state (NOTE [ Random ops ]).
 def _autocast_off(state: ReplayState) -> Any:
     """``state.autocast.restored()`` (autocast off), without entering autocast contexts when autocast
     is off already (NOTE [ Speed ] (i)). The RNG part of ``state.replay()`` is in _Replayer._replay."""
@@ -1094,32 +1042,21 @@ def _autocast_off(state: ReplayState) -> Any:
 
 # ====================================================================================== 4. the resident hooks
 # NOTE [ Hooks that outlive the with block ]
-# Our pack hook must outlive the with block: in ``with scope(): x = a + b`` then ``y = x * c``, mul
-# saves x after the block has closed. But the saved-tensors-hooks stack is thread-local and strictly
-# LIFO, and every ``saved_tensors_hooks.__exit__`` simply pops the top entry, whoever pushed it. So a
-# scope that closes while its tensors are alive takes the stack apart and rebuilds it (restack):
-# one *resident* entry of ours at the bottom, every entry above it wrapped (a _PackHook whose
-# ``below`` is the original pair: scope tensors to us, the rest to the original hook). Each
-# enclosing context still pops exactly one entry, its own (its wrapper, as far as anyone can
-# tell). When the last scope tensor dies, the resident entry is taken out again and the wrappers
-# unwrapped, so that the stack is exactly as if we had never been there: see NOTE [ Safe points ].
-# Nothing is monkey-patched.
-#
-# A saved_tensors_hooks entered *after* the scope closed is the innermost hook while it is active,
-# so scope tensors saved then go to it, not to us: the innermost hook wins, as always.
+# Our pack hook must outlive the with block (``y = x * c`` saves x after it), but the saved-tensors
+# hooks stack is thread-local and LIFO, and each ``saved_tensors_hooks.__exit__`` pops the top entry,
+# whoever pushed it. So a scope that closes with its tensors alive rebuilds the stack (restack): one
+# *resident* entry of ours at the bottom, every entry above it wrapped (a _PackHook whose ``below`` is
+# the original pair: scope tensors to us, the rest to it). Each enclosing context still pops one
+# entry, its own wrapper. When the last scope tensor dies, the stack is put back as if we had never
+# been there (NOTE [ Safe points ]). Nothing is monkey-patched. A saved_tensors_hooks entered after
+# the scope closed is innermost, so scope tensors saved then go to it: the innermost hook wins.
 #
 # NOTE [ Safe points ]
-# The resident entry is taken out only at a safe point (a scope opens and closes at one: the entry
-# point sees to that):
-# * on the thread that owns it (it is thread-local);
-# * outside any of our hooks (see NOTE [ Per-thread state ]);
-# * outside backward: the autograd engine restores the thread-local hooks stack after every node,
-#   silently undoing any change made there.
-# So the resident entry normally goes as soon as the last scope tensor is freed; a death inside
-# backward retries right after that backward (_AfterBackward). One on another thread (or the engine
-# dropping its graph task on a device thread, as it may on CUDA) waits for the owning thread's next
-# safe point: a scope tensor freed there, a scope opened or closed there. Until then the resident
-# entry merely stores what it is given (and torch.compile would see a hook).
+# The resident entry is taken out only at a safe point: on its own thread, outside our hooks (NOTE
+# [ Per-thread state ]), outside backward (the engine restores the stack after every node, undoing
+# any change). So it goes as soon as the last scope tensor is freed; a death inside backward retries
+# right after it (_AfterBackward); one on another thread waits for the owner's next safe point (a
+# scope tensor freed, a scope opened or closed there), the entry meanwhile storing what it is given.
 def _top() -> tuple[Any, Any] | None:
     # True: the real top, even while a compiler traces (with False it would read as empty then).
     return _top_saved_tensors_default_hooks(True)
@@ -1266,13 +1203,10 @@ class _AfterBackward:
 # Hardening: what real code needs besides the mechanism above. Each part is a NOTE the code cites.
 # ======================================================================================================
 # NOTE [ Private names ]
-# The scope stands on torch's private API (ckpt_lab/torch_private.py lists each use and the releases
-# it was checked on). Those it cannot do without are looked up once, at import (the top of this
-# file); on a torch that lacks one, the scope refuses to open and names it, rather than failing
-# inside backward at the first replay (_AutoDispatchBelowAutograd) or recording what it could never
-# put back (the hooks stack). Where a public call does the same, it stands in: torch.set_grad_enabled
-# for _set_grad_enabled. Torch's checkpoint hooks, and Dynamo's marker: NOTE [ A scope inside a
-# checkpoint ] and _skip_dynamo.
+# The scope stands on torch's private API (ckpt_lab/torch_private.py lists each use). What it can't
+# do without is looked up once, at import; on a torch lacking one the scope refuses to open, naming
+# it, rather than failing inside backward. Where a public call does the same, it stands in
+# (torch.set_grad_enabled for _set_grad_enabled).
 _LACKING = [
     path
     for path, found in (
@@ -1288,39 +1222,27 @@ _LACKING = [
 
 
 # NOTE [ What the tape leaves out ]
-# The tape is the forward's ops, and only those. Run through the mode but not recorded:
-# * ops run by our hooks or a replay: see NOTE [ Per-thread state ];
-# * ops of a backward run inside the scope (``loss.backward()`` in the with block). The autograd
-#   engine runs them with the thread's dispatch modes, ours included. Recorded, they made the
-#   gradients scope tensors, and the tape kept every parameter they read: the parameters kept
-#   their gradients, the gradients the recording (through _SCOPE_TENSORS), the recording the parameters,
-#   a cycle through a global that nothing freed, and a resident hook for as long as the model
-#   lived. A backward has nothing to recompute for: what it saves (create_graph) is stored;
-# * ops under inference_mode that write nothing in place: what they make are inference tensors,
-#   which autograd can't save. A later recorded op reads them as inputs (kept by reference, see
-#   NOTE [ Inputs are kept, not recomputed ]) rather than a replay recomputing, say, a teacher's
-#   forward. Ops under inference_mode that write in place are recorded: a replay must see the write.
+# The tape is the forward's ops, only those. Run through the mode but not recorded:
+# * ops run by our hooks or a replay (NOTE [ Per-thread state ]);
+# * a backward's ops (``loss.backward()`` in the with block: the engine runs them under the thread's
+#   modes). Recorded, the gradients became scope tensors and the tape kept the parameters: a cycle
+#   through a global that nothing freed, a resident hook for the model's life. What a backward saves
+#   (create_graph) is stored;
+# * ops under inference_mode that write nothing in place: their inference tensors can't be saved; a
+#   later op reads them as inputs. Those that write in place are recorded: a replay must see the write.
 # NOTE [ A scope inside a checkpoint ]
 # Some checkpoints re-run their region in backward and match what the re-run saves to what the
-# forward saved, *by position*: torch.utils.checkpoint's non-reentrant checkpoint, ckpt_lab's
-# checkpoint, and any built like them. A scope inside such a region would make the forward save
-# other tensors than the re-run (inside backward a scope does nothing), and the checkpoint would
-# hand out the wrong tensors: silently wrong gradients. So inside their region a scope does
-# nothing; the checkpoint recomputes everything there anyway.
-#
-# Such a checkpoint is recognised by its pack hook, not by the name of the module that defines it
-# (a copied or renamed checkpoint would be missed):
-# * torch's, by the code objects of its two pack hooks (the forward's, defined in
-#   ``_checkpoint_hook.__init__``, and the re-run's, in ``_recomputation_hook.__init__``), read
-#   from torch once, here; the tests check that both are found. torch 2.14 also marks both
-#   ``_checkpoint_internal = True`` (for its own ``_current_user_saved_tensors_hooks``): a second
-#   way to know them, should their code objects move;
-# * any other, by a protocol: a checkpoint whose backward re-runs its region and matches saved
-#   tensors by position sets ``recomputes_region = True`` on its pack hooks, the forward's and the
-#   re-run's (ckpt_lab's checkpoint does, and a copy of its file keeps it).
-# On a torch where neither way finds torch's hooks, any pack hook might be its checkpoint's: there a
-# scope refuses to open while a pack hook it does not know is on the stack (a clear error, where
-# opening could give wrong gradients).
+# forward saved *by position* (torch's non-reentrant checkpoint, ckpt_lab's, any built like them). A
+# scope in such a region would make the forward save other tensors than the re-run (inside backward a
+# scope does nothing): wrong tensors handed out, silently wrong gradients. So there a scope does
+# nothing; the checkpoint recomputes everything anyway. Such a checkpoint is known by its pack hook,
+# not by its module's name (a copy would be missed):
+# * torch's, by the code objects of its two pack hooks (in ``_checkpoint_hook.__init__`` and
+#   ``_recomputation_hook.__init__``), read once here (the tests check both are found); torch 2.14
+#   also marks both ``_checkpoint_internal = True``, a second way should the code objects move;
+# * any other, by a protocol: ``recomputes_region = True`` on its pack hooks (ckpt_lab's checkpoint).
+# On a torch where neither way finds torch's hooks, a scope refuses to open under a pack hook it does
+# not know (a clear error, where opening could give wrong gradients).
 def _pack_hook_codes(*hook_classes: str) -> frozenset[types.CodeType]:
     """The code objects of the ``pack_hook`` functions defined in these classes' ``__init__``."""
     codes = set()
@@ -1395,46 +1317,33 @@ def _inside_a_checkpoint() -> bool:
 
 # NOTE [ A chain of scoped blocks ]
 # Two NOTEs, and the machinery they explain, keep a chain of scoped blocks (a scope that read an
-# earlier scope's tensor) at torch's peak: the replay reaches it through one seam, _Replayer.chain.
+# earlier scope's tensor) at torch's peak. The replay reaches it through one seam, _Replayer.chain.
 #
 # NOTE [ The first replay of a backward ]
-# Replaying everything at the first unpack has a cost in memory where backward starts. In a chain of
-# scoped blocks (a scope that read an earlier scope's tensor: _Replayer.chained), the first unpack
-# of a backward comes from the last block's consumer (the loss, a head), saving what the block
-# returned; all of the block's other saved tensors are wanted only later, by its own backward. Made
-# at once, they stood beside the consumer's backward temporaries, at the top of the step's memory
-# (every retained tensor is still alive then): one tensor of the last block above torch's
-# checkpoint, which recomputes a block inside the block's own backward (the MLP's 256 KiB, the
-# transformer's LayerNorm statistics; notebook 04 §5). So that first replay serves the references
-# saved after the scope closed (``consumer``: by ops that consume what it returned); the block's own
-# references get a second replay when its backward first unpacks one (_Replayer.split). The first
-# replay keeps the earlier scope's tensor it read, unless it can keep, in its stead and within its
-# bytes, some of the block's own tensors from which the second replay needs no earlier scope's
-# tensor (_kept_for_the_second_replay: on the MLP, the Linear's output, and the second replay runs
-# GELU and the dropout mask only). Cost: the ops of the second replay, at most the last block once
-# more per backward (1/N of a chain's recomputation; on a transformer layer its attention, which
-# reads the block's input). The peak is then torch's or below on every benchmark workload (README).
-# Rejected: doing so for every block (twice the recomputation for no lower peak: later replays stand
-# on memory backward has already freed), or for a scope on its own (what it spares is the same
-# tensors, but the second replay may be its whole tape again).
+# Replaying everything at the first unpack costs memory where backward starts. In a chain of scoped
+# blocks (_Chain.chained), the first unpack of a backward comes from the last block's consumer (the
+# loss, a head), saving what the block returned; the block's other saved tensors are wanted only
+# later, by its own backward. Made at once, they stood beside the consumer's backward temporaries, at
+# the step's peak: one tensor of the last block above torch's checkpoint, which recomputes a block
+# inside its own backward (notebook 04 §5). So that first replay serves only the references saved
+# after the scope closed (``consumer``); the block's own get a second replay when its backward first
+# unpacks one (_Chain.split). The first replay keeps the earlier scope's tensor it read, unless it can
+# keep in its stead, within its bytes, some of the block's own tensors from which the second replay
+# needs no earlier scope's tensor (_kept_for_the_second_replay: on the MLP, the Linear's output).
+# Cost: at most the last block once more per backward. The peak is then torch's or below on every
+# benchmark workload. Rejected: doing so for every block (twice the recomputation, no lower peak), or
+# for a scope on its own (the second replay may be its whole tape again).
 #
 # NOTE [ Inputs are kept, not recomputed ]
 # Tensors from outside the scope that a replay reads (inputs, parameters) are kept by strong
-# reference until every reference autograd holds and every scope tensor is gone: an input nothing
-# else keeps (``a`` in ``a + b``, which add does not save) lives until backward. That includes
-# tensors made by an earlier scope and read by a later one, until the later scope's first replay.
-# A _ScopeTensorRef from the start would make the later replay start with the earlier scope's,
-# which would hold all of *its* recomputed tensors while backward goes through the later one, and
-# so on down a chain of scoped layers: peak memory as without any checkpointing. Kept, they are the
-# layer boundaries a checkpoint stores too.
-# Once the later scope has replayed (its with block closed), such an input is needed only by a
-# second backward (retain_graph), so it is let go (_Recomputed): the earlier scope recomputes it
-# anyway, for the references autograd holds to it. Kept, it was alive beside the loss's (or the
-# next block's) backward temporaries at the later replay: one block boundary more at the peak of a
-# scoped MLP or transformer stack (RETURNN's scope drops it too: it replays only once). For a second
-# backward, the earlier scope's next replay offers its copy back (_Recomputed.offer), kept if a
-# reference of the later scope is still alive then (the graph is retained); otherwise a second
-# replay of the later scope asks the earlier one for it, and the replays would cascade down a chain.
+# reference until every reference autograd holds and every scope tensor is gone, earlier scopes'
+# tensors included: referenced instead, a later replay would start with the earlier scope's, holding
+# all of its recomputed tensors, and so on down a chain: the peak of no checkpointing. Kept, they are
+# the layer boundaries a checkpoint stores too. Once the later scope has replayed (closed), such an
+# input is needed only by a second backward, so it is let go (_Recomputed; RETURNN's scope drops it
+# too): kept, it was one block boundary more at the peak. For a second backward the earlier scope's
+# next replay offers its copy back (_Recomputed.offer), kept if a reference of the later scope is
+# still alive; otherwise the later replay asks the earlier scope for it.
 class _Chain:
     """A scope's part in a chain of scoped blocks, the replay's one seam to the machinery that keeps
     its peak at torch's: NOTE [ The first replay of a backward ], NOTE [ Inputs are kept, not
@@ -1572,14 +1481,11 @@ class _Alias:
 
 
 # NOTE [ Outside tensors written in place ]
-# An outside tensor written in place inside the scope (BatchNorm's running statistics, buf.add_(1))
-# must be updated exactly once, by the forward. So it is copied once, just before the first write
-# (_Snapshot), and each replay writes into a fresh copy of that copy; a large buffer costs its size.
-# Views of it made earlier are replayed as views of the copy, so they see the write too. A tensor
-# that shares memory the scope made (.data, a Parameter initialised in place) is no outside tensor:
-# its writes are replayed into the recomputed memory (_Alias). Refused with CheckpointError: an
-# outside tensor that changed, by an op the scope did not see, between the scope reading it and
-# writing to it.
+# An outside tensor written in place in the scope (BatchNorm's running statistics) must be updated
+# once, by the forward: it is copied just before the first write (_Snapshot) and each replay writes
+# into a copy of that copy (views of it made earlier replay as views of the copy). A tensor on memory
+# the scope made (.data, a Parameter initialised in place) is no outside tensor (_Alias). Refused: an
+# outside tensor changed, by an op the scope did not see, between the scope reading and writing it.
 def _before_writes(tape: _Tape, info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[_Slot, int | None]]:
     """Before an op that writes in place runs: copy the outside tensors it is about to write to.
 
@@ -1662,44 +1568,32 @@ def _skip_dynamo(code: types.CodeType) -> None:
 # Appendix: NOTE [ Speed ]
 # ======================================================================================================
 # NOTE [ Speed ]
-# The recording runs once per aten op of the forward, and the replay once per op it re-runs, so
-# both spare Python calls where they can. Each shortcut cites its letter:
-# (a) An op's schema facts are looked up in _aten's cache by id(func), without a call on a hit
-#     (an OpOverload's __hash__ is a Python method, and op_info() a Python call).
-# (b) tuple.__new__(_Op, ...) rather than _Op(...): a NamedTuple's __new__ is a Python function.
-# (c) One tensor returned, the common case, is handled without calling _outputs; and _outputs
-#     flattens by hand, without pytree's generic (and slower) traversal. The common paths of a
-#     recorded op are written out in _Tape.record (a known tensor argument, an output's metadata,
-#     new memory), the rare ones are calls (encode, _alias_slot).
-# (d) type(x) is _Slot rather than isinstance(), and _resolve and _check_replayed inlined where they
-#     run once per argument or output of every replayed op; a Counter's Python-level update avoided.
+# The recording runs once per aten op of the forward, the replay once per op it re-runs: both spare
+# Python calls where they can. Each shortcut cites its letter:
+# (a) An op's schema facts come from _aten's cache by id(func), without a call on a hit.
+# (b) tuple.__new__(_Op, ...), not _Op(...): a NamedTuple's __new__ is a Python function.
+# (c) _Tape.record writes out the common paths (one tensor returned, a known tensor or a plain value as
+#     argument, an output's metadata, new memory); the rare ones are calls (encode, _alias_slot), and
+#     _outputs flattens by hand, without pytree.
+# (d) type(x) is _Slot, not isinstance(); _resolve and _check_replayed inlined where they run once per
+#     argument or output of every replayed op; no Counter (its update is Python).
 # (e) One shared empty dict (_NO_KWARGS) for ops called without keyword arguments.
-# (f) The per-tensor objects (_SlotRecord, _ScopeTensorRef, _ScopeTensor, ...) have __slots__; and
-#     _ScopeTensor is a weakref subclass, the one weak reference a scope tensor costs: the tape's
-#     identity map (by_id) and the process-wide registry (_SCOPE_TENSORS) share it.
-# (g) The questions asked of every op are C calls (the graph task, inference mode) or attributes
-#     of the cached OpInfo (info.writes, info.random); random ops alone pay for a generator state.
-# (h) Reading a tensor the tape knows costs one dict lookup and a weakref call, nothing more: a
-#     swapped storage (``p.data = ...``) is looked for only before an op writes to it in place.
-# (i) Per scope rather than per op, for a chain of small scoped blocks: a replay enters no autocast
-#     context when autocast is off already and puts the caller's generators back by hand (not a
-#     context manager per generator); a leaf saved in the scope (a parameter) is stored without a
-#     detach op (which would run through the recording mode); the autocast-off state a scope
-#     captures is made once per accelerator (ckpt_lab.rng.capture_every_device).
-# (j) torch wraps a dispatch mode's __torch_dispatch__ in torch._dynamo.disable (so that Dynamo
-#     never traces it), a Python wrapper that swaps the frame-evaluation callback four times per
-#     call: a tenth of the scope's time on a chain of pointwise ops. Instead the mode's code object
-#     is marked once for Dynamo to skip, with every frame it calls (_skip_dynamo): the same
-#     protection, paid in C.
-# (k) An OpOverload's __call__ is a Python frame that calls its C++ entry point, ``func._op``; the
-#     recording and the replay call that entry point (OpInfo.call, _Op.call) directly.
-# (l) Frames spared per saved tensor: the pack hook marks itself as running (NOTE [ Per-thread
-#     state ]) only on the paths that may run ops (storing, handing on), not for a scope tensor; the
-#     unpack hook serves a scope tensor's reference without calling its unpack method; the callback
-#     of a scope tensor's death does the recording's bookkeeping itself.
-# (m) A replay unpacks each recorded op's fields at once; its plan reads the slots each op reads
-#     from _Op.reads, gathered while the op was recorded, not from its arguments again.
-# (n) The pack hook compares a tensor's geometry with its slot's only for a view or an undeclared
-#     alias: the registered tensor itself, on memory of its own, is its slot's tensor.
-# Measured on the benchmark's chain of 64 dropout blocks (paired rounds, one thread, process time on
-# a shared machine): (k)-(n) took the scope from 1.26x to 1.16x torch's non-reentrant checkpoint.
+# (f) __slots__ on the per-tensor objects; _ScopeTensor is a weakref subclass, the one weak reference
+#     a scope tensor costs (the tape's by_id and the registry share it).
+# (g) What every op is asked are C calls (graph task, inference mode) or attributes of its OpInfo.
+# (h) A known tensor costs one dict lookup and a weakref call; a swapped storage (``p.data = ...``) is
+#     looked for only before an in-place write.
+# (i) Per scope: no autocast context when autocast is off; the caller's generators put back by hand; a
+#     leaf saved in the scope stored without a detach op; the autocast-off state made once per device.
+# (j) torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable, a Python wrapper that swaps the
+#     frame-evaluation callback four times per call (a tenth of the scope's time on a pointwise chain);
+#     instead its code object is marked once for Dynamo to skip (_skip_dynamo): the same, paid in C.
+# (k) The recording and the replay call an op's C++ entry point (OpInfo.call, _Op.call), not its
+#     Python __call__.
+# (l) The pack hook marks itself as running only where it may run ops, not for a scope tensor; the
+#     unpack hook serves a reference without its unpack method; a scope tensor's death callback does
+#     the recording's bookkeeping itself.
+# (m) A replay unpacks each op's fields at once; its plan reads _Op.reads, gathered when recording.
+# (n) The pack hook compares geometries only for a view or an undeclared alias.
+# On the benchmark's chain of 64 dropout blocks (paired rounds, one thread): (k)-(n) took the scope
+# from 1.26x to 1.16x torch's non-reentrant checkpoint; (c) and (d) as they are now, 4% more.
