@@ -373,22 +373,22 @@ plt.show()
 #    storage id; a tensor from outside (an *input*) kept by reference with its version; a random op's
 #    generator state (§4). New memory an op returns with grad on is a *scope tensor*, registered
 #    weakly by identity.
-# 2. **The pack hook's reference** (`_PackHook`, `_scope_ref`, `_Ref`): a scope tensor (or a view
-#    of one) becomes a `_Ref` (tape, slot); anything else goes to the pair below, or is stored:
+# 2. **The pack hook's reference** (`_PackHook`, `_scope_ref`, `_ScopeTensorRef`): a scope tensor (or a view
+#    of one) becomes a `_ScopeTensorRef` (replayer, slot); anything else goes to the pair below, or is stored:
 
 # %%
 show_source(scope_core, start="ref = _scope_ref(tensor)", stop="finally")
 
 # %% [markdown]
-# 3. **The replay** (`_serve`, `_replay`): the first unpack of a backward re-runs the **whole** tape
+# 3. **The replay** (`_Replayer.serve`, `_Replayer._replay`): the first unpack of a backward re-runs the **whole** tape
 #    in an RNG fork, grad and autocast off, checks each tensor's metadata, and keeps what live
 #    references want until each is handed out:
 
 # %%
-show_source(scope_core, start="with torch.no_grad(), autocast_off", stop="tape.pending = ")
+show_source(scope_core, start="with torch.no_grad(), autocast_off", stop="self.pending = ")
 
 # %% [markdown]
-# 4. **The resident hooks** (`_Hooks.restack`, `release_if_idle`, an after-backward callback): the
+# 4. **The resident hooks** (`_ResidentHooks.restack`, `release_if_idle`, an after-backward callback): the
 #    stack rebuilt as pictured above, put back when the last scope tensor dies at a safe point.
 #
 # Where the core takes the simple way (replay everything, keep every input, refuse writes to
