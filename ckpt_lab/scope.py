@@ -7,26 +7,23 @@ written from scratch. Introduced in notebook 04::
         x = a + b
     y = x * c        # autograd saves a small reference instead of x; backward re-runs a + b
 
-``ckpt_lab.scope_core`` is the same mechanism at its smallest (read it first); this is the shipped
-scope, hardened for real code. Both pass ``ckpt_lab.scope_checks``. Top to bottom:
+``ckpt_lab.scope_core`` is the same mechanism at its smallest, in the same sections and names (read it
+first); this is the shipped scope, hardened for real code. Both pass ``ckpt_lab.scope_checks``. After
+the entry point (where a scope does nothing, the accessors notebooks use):
 
-1. The public API: the entry point, where a scope does nothing, and the accessors notebooks use.
-2. Recording: ``_RecordingMode`` writes every aten op onto a ``_Tape``; the ``_Recording`` is the
-   scope's lifetime (open or closed, which of its scope tensors are alive).
-3. Packing: ``_PackHook`` recognises a scope tensor by its identity, in ``_SCOPE_TENSORS``.
-4. Replay: ``_Replayer`` re-runs what the wanted tensors need (``_plan_replay``), once per backward,
-   and checks what it recomputed.
-5. The resident hooks: how our pack hook outlives the ``with`` block, and how it is released.
-6. RNG: the forward's random numbers, drawn again (the capture itself lives in ``ckpt_lab.rng``).
+1. The tape: ``_RecordingMode`` records every aten op (``_Op``) onto the ``_Tape`` of the scope's
+   ``_Recording``, one ``_SlotRecord`` per tensor.
+2. The reference: ``_PackHook`` knows a scope tensor by its identity (``_SCOPE_TENSORS``) and returns
+   a ``_ScopeTensorRef`` instead; other tensors are ``_Stored`` or ``_Delegated``.
+3. The replay: ``_Replayer.serve`` replays once per backward what the wanted tensors need
+   (``_plan_replay``), each random op from its generator's recorded state, and checks the result.
+4. The resident hooks: ``_ResidentHooks.restack`` keeps our pack hook past the ``with`` block.
 
-Then, behind a banner, the hardening: what the tape leaves out, a scope inside a checkpoint, outside
-inputs let go once replayed, in-place writes to outside tensors, aliases of the scope's memory, and
-Dynamo. Last, an appendix: NOTE [ Speed ], the shortcuts of the per-op path, lettered (a) to (n)
-and cited from the code. The design notes sit next to the code they explain, as ``NOTE [ ... ]``
-comments that the code cites.
-
-Copying this file takes ``ckpt_lab/errors.py``, ``ckpt_lab/rng.py`` and ``ckpt_lab/_aten.py`` with it:
-it imports nothing else of ``ckpt_lab``.
+Then, behind a banner, the hardening, each part a ``NOTE [ ... ]`` the code cites: torch's private
+names, what the tape leaves out, a scope inside a checkpoint, a chain of scoped blocks kept at
+torch's peak (``_Chain``, the replay's one seam to it), writes to outside tensors, Dynamo; last,
+NOTE [ Speed ], the per-op shortcuts, lettered (a) to (n). Copying this file takes
+``ckpt_lab/errors.py``, ``ckpt_lab/rng.py`` and ``ckpt_lab/_aten.py``, nothing else of ``ckpt_lab``.
 """
 
 from __future__ import annotations
@@ -75,21 +72,17 @@ _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _set_grad_enabled = getattr(torch._C, "_set_grad_enabled", None) or torch.set_grad_enabled
 
 
-# ============================================================================= 1. the public API
+# ============================================================================================ the entry point
 @contextlib.contextmanager
 def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[None]:
     """Every tensor created inside is recomputed in backward instead of being stored for it.
 
-    ``torch.utils.checkpoint`` takes a function and stores what goes in and what comes out: with
-    ``x = checkpoint(lambda a, b: a + b, a, b)``, ``x * c`` saves ``x``, alive until backward. Here
-    ``x`` itself is recomputed, so it is freed as soon as the user drops it.
-
-    What counts as created inside (a ``detach()``, a parameter, optimizer state made in the scope
-    do not) is NOTE [ What "born in the scope" means ]; what a replay refuses, and what it cannot
-    see, is NOTE [ What a replay refuses ].
-
-    ``preserve_rng_state=False`` skips the RNG snapshots: only safe if the scope draws no random
-    numbers, or if different ones in the recomputation are acceptable.
+    ``torch.utils.checkpoint`` stores what goes in and comes out of its function: with ``x =
+    checkpoint(lambda a, b: a + b, a, b)``, ``x * c`` keeps ``x`` until backward; here ``x`` is
+    recomputed, freed as soon as the user drops it. What counts as created inside: NOTE [ What "born
+    in the scope" means ]; what a replay refuses: NOTE [ What a replay refuses ].
+    ``preserve_rng_state=False`` skips the RNG snapshots: safe only if the scope draws no random
+    numbers, or different ones in the recomputation are acceptable.
     """
     if _LACKING:
         raise missing_error(_LACKING[0], "gradient_checkpoint_scope")  # NOTE [ Private names ]
@@ -183,14 +176,13 @@ class _ThreadState(threading.local):
     in_hook = 0
     # The backward (graph task) in which this thread last replayed: NOTE [ The first replay of a backward ].
     replayed_in = -1
-    # This thread's resident hooks, made on first use (see section 5).
+    # This thread's resident hooks, made on first use (section 4).
     hooks: _ResidentHooks | None = None
 
 
 _thread = _ThreadState()
 
-
-# ======================================================================= 2. recording: the tape
+# ================================================================================================ 1. the tape
 _NO_KWARGS: dict = {}
 _graph_task_id = _current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
@@ -226,40 +218,12 @@ class _RecordingMode(TorchDispatchMode):
         info = _OP_INFO.get(id(func)) or op_info(func)  # See NOTE [ Speed ] (a).
         if not info.writes and _inference_mode_enabled():
             return func(*args, **kwargs)
-        written = self._before_writes(info, args, kwargs) if info.writes else []
+        written = _before_writes(self.tape, info, args, kwargs) if info.writes else []
         # The state of the generator it is about to draw from. See NOTE [ Random ops ].
         draw = GeneratorState.before(args, kwargs) if info.random and self.recording.rng else None
         out = info.call(*args, **kwargs)  # func(...), without its Python frame: NOTE [ Speed ] (k)
         self.tape.record(func, info, args, kwargs, out, written, draw)
         return out
-
-    def _before_writes(self, info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[_Slot, int | None]]:
-        """Before an op that writes in place runs: copy the outside tensors it is about to write to.
-
-        Returns (slot, version it will have after the op) for each tensor written.
-        """
-        written = []
-        for tensor, marked in info.written(args, kwargs):
-            version = _version_of(tensor)
-            # A marked write bumps the version above us (ADInplaceOrView), after the op returns to autograd.
-            written.append((self._before_write(tensor), None if version is None else version + marked))
-        return written
-
-    def _before_write(self, tensor: torch.Tensor) -> _Slot:
-        # See NOTE [ Outside tensors written in place ].
-        tape = self.tape
-        slot = _encode_written(tape, tensor)
-        memory = tape.slots[tape.slots[slot].storage_slot]
-        source = memory.source
-        if type(source) is _Borrowed:
-            if _version_of(source.tensor) != source.version:
-                # Limitation: the copy would hold values the scope's earlier reads did not see.
-                raise CheckpointError(
-                    "gradient_checkpoint_scope: a tensor from outside the scope changed between the "
-                    "scope reading it and writing to it, by an op the scope did not see."
-                )
-            memory.source = _Snapshot(source.tensor)
-        return slot
 
 
 class _Tape:
@@ -269,16 +233,13 @@ class _Tape:
     def __init__(self, register: Any) -> None:
         self.ops: list[_Op] = []
         self.slots: list[_SlotRecord] = []
-        # While recording: id(tensor) -> (weakref, slot), and for an input the id of its storage.
-        # Weak, or the scope would keep its tensors.
+        # While recording, weakly (ids get reused): id(tensor) -> (weakref, slot[, id of an input's
+        # storage]); id(storage) -> (weakref, storage slot) for memory the scope made, to tell an
+        # undeclared alias (or a .data) of it from an input.
         self.by_id: dict[int, tuple] = {}
-        # While recording: id(storage) -> (weakref, storage slot) for the memory the scope made, to tell
-        # an undeclared alias (or a .data) of it from an input. Checked by the weakref: ids get reused.
         self.storages: dict[int, tuple[weakref.ref, _Slot]] = {}
-        # See NOTE [ Random ops ]: the first draw from each generator (key: the generator or device).
-        self.drawn: dict[Any, GeneratorState] = {}
-        # The recording's ``register`` (a scope tensor is registered as it is made); None once the
-        # scope closed: it would keep the recording in a cycle.
+        self.drawn: dict[Any, GeneratorState] = {}  # the first draw from each generator: NOTE [ Random ops ]
+        # The recording's ``register``; None once the scope closed (it would keep the recording in a cycle).
         self.register = register
 
     def encode(self, value: Any) -> Any:
@@ -318,14 +279,16 @@ class _Tape:
             return
         by_id, encoded, reads = self.by_id, [], []
         for a in args:
-            # ``encode``, inlined for a tensor the tape knows: NOTE [ Speed ] (c).
-            entry = by_id.get(id(a)) if isinstance(a, torch.Tensor) else None
-            a = entry[1] if entry is not None and entry[0]() is a else self.encode(a)
-            encoded.append(a)
-            if type(a) is _Slot:
+            # ``encode``, inlined for a tensor and for a plain value: NOTE [ Speed ] (c).
+            if isinstance(a, torch.Tensor):
+                entry = by_id.get(id(a))
+                a = entry[1] if entry is not None and entry[0]() is a else self.add_input(a)
                 reads.append(a)
-            elif type(a) is _Nested:
-                reads.extend(v for v in a if type(v) is _Slot)
+            elif type(a) in (list, tuple):
+                a = self.encode(a)
+                if type(a) is _Nested:
+                    reads.extend(v for v in a if type(v) is _Slot)
+            encoded.append(a)
         args = tuple(encoded)
         if kwargs:
             kwargs = {k: self.encode(v) for k, v in kwargs.items()}
@@ -398,7 +361,7 @@ def _alias_slot(tape: _Tape, tensor: torch.Tensor, known: tuple | None, args: tu
 
 class _Recording:
     """One scope's lifetime: its tape and replayer, open or not, and which of its scope tensors are
-    still alive (while any is, our resident hook stays: section 5)."""
+    still alive (while any is, our resident hook stays: section 4)."""
 
     def __init__(self, hooks: _ResidentHooks, preserve_rng_state: bool) -> None:
         self.hooks = hooks
@@ -439,7 +402,7 @@ class _Recording:
         # tensor's storage is stored, not recomputed (that tensor may change it, unseen).
         inputs = [s.source.tensor for s in tape.slots if type(s.source) is _Borrowed]
         borrowed = {id(storage_of(tensor)) for tensor in inputs}
-        replayer.chained = any(_scope_ref(tensor, register=False) is not None for tensor in inputs)
+        replayer.chain.closed(inputs)
         lying = {storages[key][1] for key in borrowed if key in storages and storages[key][0]() is not None}
         for key in list(self.scope_tensors):
             entry = _SCOPE_TENSORS.get(key)
@@ -454,12 +417,6 @@ class _Recording:
                 self.scope_tensors.discard(key)
         if not self.scope_tensors:
             self.hooks.live_recordings.discard(self)
-
-    def scope_tensor_died(self, key: int) -> None:
-        """A scope tensor of this recording died (on any thread)."""
-        self.scope_tensors.discard(key)
-        if not self.scope_tensors and not self.open:
-            self.hooks.forget(self)
 
 
 class _Slot(int):
@@ -487,23 +444,16 @@ class _SlotRecord:
         is_scope_tensor: bool,
         version_slot: _Slot,
     ) -> None:
-        # None for a tensor an op made, else how a replay gets it: _Borrowed, or _Snapshot once the
-        # scope wrote to it, or _Alias for another tensor object on memory the scope made.
+        # None for a tensor an op made, else how a replay gets it: _Borrowed, _Snapshot once the scope
+        # wrote to it, _Alias for another tensor object on memory the scope made.
         self.source = source
-        # The slot whose storage it lives in: itself for new memory and for inputs.
-        self.storage_slot = storage_slot
-        # The slot whose version counter it shares: its base's for a view, else itself. Not the storage
-        # slot for an undeclared alias (unsafe_split's chunks count their own writes), nor for an _Alias.
+        self.storage_slot = storage_slot  # the slot whose storage it lives in (itself: new memory, inputs)
+        # The slot whose version counter it shares: its base's for a view, else itself (an undeclared
+        # alias counts its own writes, as unsafe_split's chunks do).
         self.version_slot = version_slot
-        # For a slot with a counter of its own made in the scope (else None): its version after the
-        # last recorded op.
-        self.version = version
-        # For a slot owning new memory: its metadata (which tells a view of it that autograd saves
-        # from the tensor itself).
-        self.meta = meta
-        # A registered scope tensor (new memory made with grad on, or an undeclared alias of it): see
-        # NOTE [ What "born in the scope" means ].
-        self.is_scope_tensor = is_scope_tensor
+        self.version = version  # a counter of its own made in the scope: its version after the last op
+        self.meta = meta  # new memory: its metadata (tells a view of it autograd saves from the tensor)
+        self.is_scope_tensor = is_scope_tensor  # registered: NOTE [ What "born in the scope" means ]
 
 
 class _Op(NamedTuple):
@@ -593,39 +543,26 @@ class _Borrowed:
         return self.tensor
 
 
-# ==================================================================== 3. packing: scope tensors
+# =========================================================================================== 2. the reference
 # NOTE [ What "born in the scope" means ]
 # A pack hook is handed a tensor, not told where it came from. A *scope tensor* is a tensor object
-# that a recorded op returned as new memory (or an undeclared alias of such a tensor:
-# _SlotRecord.is_scope_tensor), or a view autograd made of one, in the scope or after it: its
-# ``_base`` is one (a 3-d Linear after the scope saves a view of its input). _SCOPE_TENSORS maps
-# id(tensor) to its _ScopeTensor, a weak reference naming the recording and the slot whose storage
-# it lives in.
-# Process-wide, so a scope tensor saved by any thread is recognised. PyTorch keeps a tensor's
-# Python object exactly as long as the tensor, and the weakref callback removes the entry before
-# the id can be reused.
-#
-# By identity, not by storage: another tensor object on the same memory is a plain value, stored as
-# autograd would store it, and it does not keep the recording (nor the inputs its tape keeps) alive:
-# * a ``detach()``, made in the scope or after it. Truncated BPTT carries the hidden state into the
-#   next chunk so, and the optimizer updates the parameters its record read in between: recomputed
-#   from the record, it would have read the new ones (refused by version) or, updated through
-#   ``.data``, silently. And each chunk's state would have kept the previous chunk's record alive;
-# * a ``.data``, a Parameter wrapped around a tensor made in the scope (``nn.Linear`` built in the
-#   scope, a LazyLinear's first forward, ``nn.Parameter(torch.empty(...))`` initialised in place);
-#   inside the scope such a tensor is read as a view of the memory it shares (_Alias), so that a
-#   replay sees the writes made through it, and they see the replay's;
-# * a leaf that requires grad made in the scope (``torch.zeros(3, requires_grad=True)``): the user's
-#   state, which its AccumulateGrad node keeps anyway. Unregistered when the scope closes;
-# * new memory made with grad mode off: an optimizer's state (SGD's momentum buffer, Adam's moments
-#   when ``opt.step()`` runs in the scope), statistics, a target computed under no_grad. Not an
-#   activation, often long-lived: registered, it held a hook on the stack for the optimizer's life.
-#   Recorded all the same, so that a replay computes what reads it.
-# A recording lives as long as one of its scope tensors (a view keeps its base through ``_base``),
-# no longer: a ``loss.detach()`` logged after backward holds no hook on the stack.
-# Limits: an alias made without autograd after the scope (``.data``, ``as_strided`` on it) is not
-# recognised, so it is stored (memory, never gradients); a write through ``.data`` after the scope
-# is not seen at all: see NOTE [ What a replay refuses ].
+# a recorded op returned as new memory (or an undeclared alias of one: _SlotRecord.is_scope_tensor),
+# or a view autograd made of one (its ``_base`` is one). _SCOPE_TENSORS maps id(tensor) to its
+# _ScopeTensor, a weak reference naming its recording and storage slot; process-wide, so any thread's
+# save is recognised (a tensor's Python object lives exactly as long as the tensor, and the weakref
+# callback removes the entry before its id can be reused).
+# By identity, not by storage: another tensor object on the same memory is stored as autograd would,
+# and does not keep the recording (nor its inputs) alive:
+# * a ``detach()`` (truncated BPTT's hidden state: recomputed from the record, it would have read the
+#   parameters the optimizer updated since, and kept the previous chunk's record alive);
+# * a ``.data``, a Parameter wrapped around memory made in the scope (``nn.Linear`` built in it);
+#   inside the scope it is read as a view of that memory (_Alias), so replays and its writes agree;
+# * a leaf that requires grad made in the scope: the user's state (unregistered when the scope closes);
+# * new memory made with grad off (an optimizer's state, statistics): not an activation, often long
+#   lived; registered, it held a hook for the optimizer's life. Recorded all the same.
+# A recording lives as long as one of its scope tensors. Limits: an alias made without autograd after
+# the scope (``.data``) is stored (memory, never gradients); a write through ``.data`` after the scope
+# is not seen at all (NOTE [ What a replay refuses ]).
 class _ScopeTensor(weakref.ref):
     """A scope tensor, as the registry knows it: a weak reference to it, naming the recording, the
     slot whose storage it lives in and the slot whose version counter it shares."""
@@ -641,7 +578,7 @@ def _scope_tensor_died(entry: _ScopeTensor) -> None:
     if _SCOPE_TENSORS.get(entry.key) is entry:
         del _SCOPE_TENSORS[entry.key]
         recording = entry.recording
-        # recording.scope_tensor_died(key), inlined for the common case: NOTE [ Speed ] (l).
+        # The recording's bookkeeping, here rather than in a method of it: NOTE [ Speed ] (l).
         recording.scope_tensors.discard(entry.key)
         if not recording.scope_tensors and not recording.open:
             recording.hooks.forget(recording)
@@ -790,55 +727,29 @@ class _Delegated:
         return self.unpack_hook(self.packed)
 
 
-# ===================================================================================== 4. replay
+# ============================================================================================== 3. the replay
 # NOTE [ One replay per backward ]
-# The first unpack replays the tape once, with the forward's RNG state inside a fork, and keeps the
-# recomputed tensor of every slot that a live _ScopeTensorRef wants. Each is handed out, and
-# dropped as soon as every reference that wanted it has it: backward then holds the only
-# references. A second unpack of the same reference (retain_graph, a second backward) starts a new
-# round: it replays again. (One exception, for a chain of scoped blocks: NOTE [ The first replay of
-# a backward ].) A replay runs only the ops a wanted tensor depends on (_plan_replay):
-# those that made it, wrote into its memory, or made what those read, and so on back. A random op
-# it skips does not shift the others' numbers: each sets its own generator's state, see
+# The first unpack replays the tape once (the forward's RNG state, in a fork) and keeps the tensor
+# of every slot a live _ScopeTensorRef wants, each dropped once every reference that wanted it has
+# it. A second unpack of the same reference (retain_graph) starts a new round: it replays again
+# (except in a chain of scoped blocks: NOTE [ The first replay of a backward ]). A replay runs only
+# the ops a wanted tensor depends on (_plan_replay), each below autograd in the grad mode it ran in,
+# and frees each intermediate after its last reader; a random op it skips does not shift the others'
+# numbers (NOTE [ Random ops ]).
 # NOTE [ Random ops ]. And it frees each intermediate as soon as no later op reads it. Each op runs
 # below autograd, as it was recorded, in the grad mode it ran in (a few kernels ask).
-#
-# NOTE [ The first replay of a backward ]
-# Replaying everything at the first unpack has a cost in memory where backward starts. In a chain of
-# scoped blocks (a scope that read an earlier scope's tensor: _Replayer.chained), the first unpack
-# of a backward comes from the last block's consumer (the loss, a head), saving what the block
-# returned; all of the block's other saved tensors are wanted only later, by its own backward. Made
-# at once, they stood beside the consumer's backward temporaries, at the top of the step's memory
-# (every retained tensor is still alive then): one tensor of the last block above torch's
-# checkpoint, which recomputes a block inside the block's own backward (the MLP's 256 KiB, the
-# transformer's LayerNorm statistics; notebook 04 §5). So that first replay serves the references
-# saved after the scope closed (``consumer``: by ops that consume what it returned); the block's own
-# references get a second replay when its backward first unpacks one (_Replayer.split). The first
-# replay keeps the earlier scope's tensor it read, unless it can keep, in its stead and within its
-# bytes, some of the block's own tensors from which the second replay needs no earlier scope's
-# tensor (_kept_for_the_second_replay: on the MLP, the Linear's output, and the second replay runs
-# GELU and the dropout mask only). Cost: the ops of the second replay, at most the last block once
-# more per backward (1/N of a chain's recomputation; on a transformer layer its attention, which
-# reads the block's input). The peak is then torch's or below on every benchmark workload (README).
-# Rejected: doing so for every block (twice the recomputation for no lower peak: later replays stand
-# on memory backward has already freed), or for a scope on its own (what it spares is the same
-# tensors, but the second replay may be its whole tape again).
 #
 # NOTE [ What a replay refuses ]
 # A replay refuses with CheckpointError what would otherwise give silently wrong gradients:
 # (1) an outside tensor modified in place since the scope read it;
 # (2) a scope tensor modified in place after autograd saved it;
 # (3) recomputed outputs whose number, shape, strides, storage offset, dtype or device differ.
-# Modifications through .data bypass version counters, here as in autograd: (1) and (2) can't see
-# them, (3) catches those that change what a recomputed tensor looks like. A scope tensor a replay
-# could not reproduce is stored instead of recomputed (see _scope_ref).
-# Not detectable, so not refused: a scope tensor written through ``.data`` *after the scope* and
-# *before* autograd saves it. ``with scope(): w = a.sin()``,
-# then ``w.data.mul_(3)``, then ``y = w * c``: autograd saves the current w, 3·sin(a), and a replay
-# recomputes sin(a), so c.grad comes out a third of the plain run's. Nothing tells the two apart
-# but the values themselves (a checksum per saved tensor would cost a pass over its memory in the
-# forward and could not tolerate a nondeterministic kernel's last bits). Without the scope the same
-# write *after* the save would go unseen too; here it is the write before it.
+# Writes through .data bypass version counters, here as in autograd: (3) catches those that change
+# what a recomputed tensor looks like. A scope tensor a replay could not reproduce is stored (_scope_ref).
+# Not detectable: a scope tensor written through ``.data`` after the scope and before autograd saves
+# it (``w.data.mul_(3)`` then ``y = w * c``: the replay recomputes the old w, c.grad a third of the
+# plain run's). Only the values tell them apart (a checksum would cost a pass over every saved tensor
+# and could not tolerate a nondeterministic kernel).
 class _Plan(NamedTuple):
     """What one replay runs, for one set of wanted storage slots: see NOTE [ One replay per backward ]."""
 
@@ -861,7 +772,11 @@ def _slot_args(args: Any) -> list[_Slot]:
 
 
 def _plan_replay(
-    ops: list[_Op], slots: list[_SlotRecord], wanted: Counter[int], key: tuple, held: frozenset = frozenset()
+    ops: list[_Op],
+    slots: list[_SlotRecord],
+    wanted: dict[int, int],
+    key: tuple,
+    held: frozenset = frozenset(),
 ) -> _Plan:
     """What a replay for ``wanted`` (storage slots) runs: see NOTE [ One replay per backward ].
     ``held``: slots whose tensors the replay already has (NOTE [ The first replay of a backward ])."""
@@ -934,13 +849,8 @@ class _Replayer:
         self.cached_plan: _Plan | None = None
         # The scope's with block has ended: no op will be recorded any more (an input's source may change).
         self.closed = False
-        # Later scopes that read one of our tensors and let it go (_Recomputed), weakly.
-        self.offers: list[weakref.ref[_Recomputed]] = []
-        # (backward, round) of a first replay that served only the consumers, until the rest is served.
-        self.split: tuple[int, int] | None = None
-        # The scope read a tensor of an earlier scope: a block of a chain (NOTE [ The first replay of
-        # a backward ]). Known when the scope closes.
-        self.chained = False
+        # The seam to the peak-parity machinery behind the banner: NOTE [ A chain of scoped blocks ].
+        self.chain = _Chain()
 
     def serve(self, ref: _ScopeTensorRef) -> torch.Tensor:
         """Unpack: the recomputed tensor for ``ref``, replaying first if this round has none."""
@@ -966,7 +876,7 @@ class _Replayer:
                 self.pending.pop(ref.storage_slot, None)
         return value if ref.geometry is None else _restrided(value, ref.geometry)
 
-    def _plan(self, wanted: Counter[int], held: frozenset = frozenset()) -> _Plan:
+    def _plan(self, wanted: dict[int, int], held: frozenset = frozenset()) -> _Plan:
         """What a replay for ``wanted`` runs (``_plan_replay``); computed again only if ops were
         recorded since (the scope is open) or other tensors are wanted."""
         key = (len(self.ops), frozenset(wanted), held)
@@ -977,23 +887,12 @@ class _Replayer:
     def _replay(self, trigger: _ScopeTensorRef) -> None:
         refs = [r for r in (ref() for ref in self.refs) if r is not None]
         self.refs = [weakref.ref(r) for r in refs]
-        let_go, held, task = True, frozenset(), _graph_task_id()
-        if task != -1 and _thread.replayed_in != task:
-            # The first replay of this backward: see NOTE [ The first replay of a backward ].
-            _thread.replayed_in = task
-            if self.chained and trigger.consumer and not all(r.consumer for r in refs):
-                keep, let_go = _kept_for_the_second_replay(self, refs)
-                # The consumers' tensors (for every reference to them) and those kept.
-                served = keep | {r.storage_slot for r in refs if r.consumer}
-                refs = [r for r in refs if r.storage_slot in served]
-                self.split = (task, self.round + 1)
-        elif self.split is not None:
-            if self.split[0] == task:
-                # The rest, after a first replay that served the consumers (and kept ``held``).
-                refs = [r for r in refs if r.round != self.split[1]]
-                held = frozenset(slot for slot in self.values if any(r.storage_slot == slot for r in refs))
-            self.split = None
-        wanted = Counter(r.storage_slot for r in refs)
+        # Which of them this replay serves, what it has already (``held``), whether it lets go of an
+        # earlier scope's tensors it reads: all of them, nothing, yes, but in a chain of scoped blocks.
+        refs, held, let_go = self.chain.select(self, refs, trigger)
+        wanted: dict[int, int] = {}  # storage slot -> how many references want it (not a Counter: speed)
+        for r in refs:
+            wanted[r.storage_slot] = wanted.get(r.storage_slot, 0) + 1
         plan = self._plan(wanted, held)
         values: list[Any] = [None] * len(self.slots)
         for slot in held:
@@ -1021,36 +920,9 @@ class _Replayer:
             _set_grad_enabled(caller_grad)
         self.values = {slot: values[slot] for slot in wanted}
         self.pending = dict(wanted)
-        if self.offers:
-            self.offers = [o for o in self.offers if (offer := o()) is not None and offer.offer(self.values)]
+        if self.chain.offers:
+            self.chain.offer(self.values)
         self.round += 1
-
-
-def _kept_for_the_second_replay(replayer: _Replayer, refs: list[_ScopeTensorRef]) -> tuple[set[int], bool]:
-    """For a first replay that serves the consumers (NOTE [ The first replay of a backward ]): which
-    of the block's own tensors it keeps too, and whether it lets go of the earlier scopes' tensors
-    it reads. It keeps some if then the second replay needs none of those tensors, and they weigh no
-    more than those tensors do (the peak stays where it was); else none, and lets go of nothing."""
-    ops, slots = replayer.ops, replayer.slots
-    consumers = Counter(r.storage_slot for r in refs if r.consumer)
-    own = Counter(r.storage_slot for r in refs if not r.consumer and r.storage_slot not in consumers)
-    first = _plan_replay(ops, slots, consumers, ())
-    earlier = {s for s in first.inputs if type(slots[s].source) is _Borrowed}
-    earlier = {s for s in earlier if _scope_ref(slots[s].source.tensor, register=False) is not None}
-    written = {slots[w].storage_slot for op in ops for w in op.writes}
-    made_by = {o: i for i in first.run for o in ops[i].outputs}
-    # Kept as the first replay made them: memory no op writes to, made by an op it runs; the latest
-    # first (it spares the second replay the most).
-    candidates = sorted((s for s in own if s not in written and s in made_by), key=made_by.get, reverse=True)
-    kept: list[int] = []
-    for slot in candidates[:4]:
-        kept.append(slot)
-        second = _plan_replay(ops, slots, own, (), frozenset(kept))
-        if not earlier & set(second.inputs):
-            size = sum(math.prod(slots[s].meta[0]) * slots[s].meta[3].itemsize for s in kept)
-            budget = sum(slots[s].source.tensor.untyped_storage().nbytes() for s in earlier)
-            return (set(kept), True) if size <= budget else (set(), False)
-    return set(), False
 
 
 def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, let_go: bool) -> None:
@@ -1061,13 +933,9 @@ def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, l
     # Inputs first: if one was modified in place since, fail before running anything.
     for slot in plan.inputs:
         source = slots[slot].source
-        values[slot] = value = source.materialize()
-        if type(source) is _Borrowed and replayer.closed and let_go:
-            # An earlier scope's tensor: from now on, that scope recomputes it. See NOTE
-            # [ Inputs are kept, not recomputed ].
-            ref = _scope_ref(value, register=False)
-            if ref is not None:
-                slots[slot].source = _Recomputed(ref, replayer)
+        values[slot] = source.materialize()
+        if let_go and type(source) is _Borrowed and replayer.closed:
+            replayer.chain.let_go(replayer, slot)  # if an earlier scope's tensor: it recomputes it
     for n, i in enumerate(plan.run):
         op = ops[i]
         # The fields at once, not one attribute at a time (NOTE [ Speed ] (m)).
@@ -1089,7 +957,12 @@ def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, l
         # op.func(...), without its Python frame: NOTE [ Speed ] (k).
         out = call(*args, **{k: _resolve(v, values) for k, v in kwargs.items()}) if kwargs else call(*args)
         if type(out) is torch.Tensor and len(outputs) == 1:
-            _check_replayed(op, out, metas[0])
+            try:  # _check_replayed, inlined for a strided tensor that passes: NOTE [ Speed ] (d)
+                same = (out.shape, out.stride(), out.storage_offset(), out.dtype, out.device) == metas[0]
+            except (RuntimeError, NotImplementedError):
+                same = False
+            if not same:
+                _check_replayed(op, out, metas[0])
             values[outputs[0]] = out
         else:
             recomputed = [t for t, _ in _outputs(out, ())]
@@ -1141,34 +1014,49 @@ def _replay_mismatch(op: _Op, got: str, recorded: str) -> CheckpointError:
     )
 
 
-# ============================================================================ 5. resident hooks
+# NOTE [ Random ops ]
+# A replay must draw the forward's numbers. The state at the scope's entry is not enough: code in
+# the scope may reseed between two random ops (manual_seed, set_rng_state, fork_rng), unseen by the
+# tape. So each op that draws (OpInfo.random: aten's ``nondeterministic_seeded`` tag, and any custom
+# op) records its generator's state just before it draws (``ckpt_lab.rng.GeneratorState``: its
+# ``generator`` argument, else its device's default one), and the replay sets it right before
+# re-running it; each generator is put back afterwards (``forked``). Cost: a get_state per random op
+# (the CPU's Mersenne Twister state is 5 KB), a set_state per one replayed. Limit: a custom op drawing
+# from another generator draws from wherever the replay left it.
+_NOTHING = contextlib.nullcontext()
+
+
+# NOTE [ RNG and autocast in a replay ]
+# Autocast is off during a replay: below autograd the recorded ops are already cast. The default
+# CPU generator and every initialised accelerator's are captured when the scope opens
+# (``capture_every_device``) and the replay draws in a fork; an accelerator first initialised inside
+# the scope replays from its freshly seeded state (``with_initialised_inside``). Each random op then
+# sets its own generator's state (NOTE [ Random ops ]).
+def _autocast_off(state: ReplayState) -> Any:
+    """``state.autocast.restored()`` (autocast off), without entering autocast contexts when autocast
+    is off already (NOTE [ Speed ] (i)). The RNG part of ``state.replay()`` is in _Replayer._replay."""
+    if any(torch.is_autocast_enabled(device_type) for device_type, _, _ in state.autocast.settings):
+        return state.autocast.restored()
+    return _NOTHING
+
+
+# ====================================================================================== 4. the resident hooks
 # NOTE [ Hooks that outlive the with block ]
-# Our pack hook must outlive the with block: in ``with scope(): x = a + b`` then ``y = x * c``, mul
-# saves x after the block has closed. But the saved-tensors-hooks stack is thread-local and strictly
-# LIFO, and every ``saved_tensors_hooks.__exit__`` simply pops the top entry, whoever pushed it. So a
-# scope that closes while its tensors are alive takes the stack apart and rebuilds it (_restack):
-# one *resident* entry of ours at the bottom, every entry above it wrapped (a _PackHook whose
-# ``below`` is the original pair: scope tensors to us, the rest to the original hook). Each
-# enclosing context still pops exactly one entry, its own (its wrapper, as far as anyone can
-# tell). When the last scope tensor dies, the resident entry is taken out again and the wrappers
-# unwrapped, so that the stack is exactly as if we had never been there: see NOTE [ Safe points ].
-# Nothing is monkey-patched.
-#
-# A saved_tensors_hooks entered *after* the scope closed is the innermost hook while it is active,
-# so scope tensors saved then go to it, not to us: the innermost hook wins, as always.
+# Our pack hook must outlive the with block (``y = x * c`` saves x after it), but the saved-tensors
+# hooks stack is thread-local and LIFO, and each ``saved_tensors_hooks.__exit__`` pops the top entry,
+# whoever pushed it. So a scope that closes with its tensors alive rebuilds the stack (restack): one
+# *resident* entry of ours at the bottom, every entry above it wrapped (a _PackHook whose ``below`` is
+# the original pair: scope tensors to us, the rest to it). Each enclosing context still pops one
+# entry, its own wrapper. When the last scope tensor dies, the stack is put back as if we had never
+# been there (NOTE [ Safe points ]). Nothing is monkey-patched. A saved_tensors_hooks entered after
+# the scope closed is innermost, so scope tensors saved then go to it: the innermost hook wins.
 #
 # NOTE [ Safe points ]
-# The resident entry is taken out only at a safe point (a scope opens and closes at one: the entry
-# point sees to that):
-# * on the thread that owns it (it is thread-local);
-# * outside any of our hooks (see NOTE [ Per-thread state ]);
-# * outside backward: the autograd engine restores the thread-local hooks stack after every node,
-#   silently undoing any change made there.
-# So the resident entry normally goes as soon as the last scope tensor is freed; a death inside
-# backward retries right after that backward (_AfterBackward). One on another thread (or the engine
-# dropping its graph task on a device thread, as it may on CUDA) waits for the owning thread's next
-# safe point: a scope tensor freed there, a scope opened or closed there. Until then the resident
-# entry merely stores what it is given (and torch.compile would see a hook).
+# The resident entry is taken out only at a safe point: on its own thread, outside our hooks (NOTE
+# [ Per-thread state ]), outside backward (the engine restores the stack after every node, undoing
+# any change). So it goes as soon as the last scope tensor is freed; a death inside backward retries
+# right after it (_AfterBackward); one on another thread waits for the owner's next safe point (a
+# scope tensor freed, a scope opened or closed there), the entry meanwhile storing what it is given.
 def _top() -> tuple[Any, Any] | None:
     # True: the real top, even while a compiler traces (with False it would read as empty then).
     return _top_saved_tensors_default_hooks(True)
@@ -1209,11 +1097,7 @@ class _ResidentHooks:
     def close_scope(self, recording: _Recording, entry: _PackHook, failed: bool) -> None:
         self.open = None
         recording.close(failed)
-        self.busy = True
-        try:
-            self.resident = _restack(self.resident, keep=bool(self.live_recordings), drop=entry)
-        finally:
-            self.busy = False
+        self.restack(drop=entry)
         # A storage freed while we were rebuilding could not release anything then.
         self.release_if_idle()
 
@@ -1242,56 +1126,55 @@ class _ResidentHooks:
         # Not a safe point: another thread, inside a hook, or hooks disabled (we could not pop).
         if threading.get_ident() != self.owner or _thread.in_hook or not _saved_tensors_hooks_is_enabled():
             return
-        self.busy = True
+        self.restack()
+
+    def restack(self, drop: _PackHook | None = None) -> None:
+        """Make this thread's stack right, without ``drop`` (a closing scope's entry). See NOTE [ Hooks
+        that outlive the with block ]. With live recordings: our resident entry at the bottom, every
+        other entry ours or wrapped; without: no resident entry, every wrapper unwrapped."""
+        self.busy = True  # a scope tensor dying meanwhile must not start another rebuild
         try:
-            self.resident = _restack(self.resident, keep=False)
+            self.resident = self._restacked(bool(self.live_recordings), drop)
         finally:
             self.busy = False
 
-
-def _restack(resident: _PackHook | None, keep: bool, drop: _PackHook | None = None) -> _PackHook | None:
-    """Make this thread's stack right, without ``drop`` (a closing scope's entry); return the
-    resident entry. See NOTE [ Hooks that outlive the with block ].
-
-    ``keep`` (live recordings): our resident entry at the bottom, every other entry ours or wrapped.
-    Otherwise no resident entry, and every wrapper replaced by the original it stands in for.
-    """
-    top = _top()
-    # The common cases touch only the top of the stack.
-    if drop is not None and top is not None and top[0] is drop:
-        _pop_saved_tensors_default_hooks()
-        top, drop = _top(), None
-    if not _saved_tensors_hooks_is_enabled():
-        # Limitation: someone disabled saved-tensor hooks (functorch, a compiler): pushing would fail,
-        # so there is no resident entry; scope tensors saved from now on are simply stored.
-        return resident
-    if drop is None:
-        if keep and resident is not None and top is not None and isinstance(top[0], _PackHook):
-            return resident  # entries of ours all the way down to the resident one
-        if not keep and resident is None:
-            return None
-        if not keep and top is not None and top[0] is resident:
+    def _restacked(self, keep: bool, drop: _PackHook | None) -> _PackHook | None:
+        resident, top = self.resident, _top()
+        # The common cases touch only the top of the stack.
+        if drop is not None and top is not None and top[0] is drop:
             _pop_saved_tensors_default_hooks()
-            return None
-    # Otherwise take the whole stack apart (these are all enclosing contexts) and rebuild it.
-    entries = []
-    while (top := _top()) is not None:
-        _pop_saved_tensors_default_hooks()
-        entries.append(top)
-    resident = (resident or _PackHook(None)) if keep else None
-    if resident is not None:
-        _push_saved_tensors_default_hooks(resident, _unpack)
-    for pack, unpack in reversed(entries):
-        if isinstance(pack, _PackHook):
-            if pack.below is None or pack is drop:
-                continue  # an old resident entry, or the closing scope's own
-            if not keep:
-                pack, unpack = pack.below
-        elif keep:
-            # Its owner will pop this wrapper on exit, as it would have popped its own entry.
-            pack, unpack = _PackHook((pack, unpack)), _unpack
-        _push_saved_tensors_default_hooks(pack, unpack)
-    return resident
+            top, drop = _top(), None
+        if not _saved_tensors_hooks_is_enabled():
+            # Limitation: someone disabled saved-tensor hooks (functorch, a compiler): pushing would fail,
+            # so there is no resident entry; scope tensors saved from now on are simply stored.
+            return resident
+        if drop is None:
+            if keep and resident is not None and top is not None and isinstance(top[0], _PackHook):
+                return resident  # entries of ours all the way down to the resident one
+            if not keep and resident is None:
+                return None
+            if not keep and top is not None and top[0] is resident:
+                _pop_saved_tensors_default_hooks()
+                return None
+        # Otherwise take the whole stack apart (these are all enclosing contexts) and rebuild it.
+        entries = []
+        while (top := _top()) is not None:
+            _pop_saved_tensors_default_hooks()
+            entries.append(top)
+        resident = (resident or _PackHook(None)) if keep else None
+        if resident is not None:
+            _push_saved_tensors_default_hooks(resident, _unpack)
+        for pack, unpack in reversed(entries):
+            if isinstance(pack, _PackHook):
+                if pack.below is None or pack is drop:
+                    continue  # an old resident entry, or the closing scope's own
+                if not keep:
+                    pack, unpack = pack.below
+            elif keep:
+                # Its owner will pop this wrapper on exit, as it would have popped its own entry.
+                pack, unpack = _PackHook((pack, unpack)), _unpack
+            _push_saved_tensors_default_hooks(pack, unpack)
+        return resident
 
 
 class _AfterBackward:
@@ -1316,55 +1199,14 @@ class _AfterBackward:
             self.hooks.release_if_idle()
 
 
-# ================================================================================= 6. RNG in a replay
-# NOTE [ Random ops ]
-# A replay must draw exactly the numbers the forward drew. The generators' state at the scope's
-# entry (NOTE [ RNG and autocast in a replay ]) is not enough: code in the scope may reseed between
-# two random ops (torch.manual_seed, torch.set_rng_state, fork_rng with a seed, a Generator's
-# manual_seed), and none of that is an aten op the tape could see; a replay from the entry state
-# then drew other numbers, silently. So each op that draws random numbers (OpInfo.random: aten's
-# ``nondeterministic_seeded`` tag, bernoulli_, native_dropout, randn, ...; and any custom op, which
-# can't be known not to) records the state of the generator it draws from just before it draws
-# (``ckpt_lab.rng.GeneratorState``), and the replay sets that state right before re-running it.
-# Its generator: its ``generator`` argument if one is passed, else the default generator of its
-# device (a factory's ``device`` argument, else its first tensor's). Cost: a get_state per random
-# op of the forward (about 1 µs; the CPU's Mersenne Twister state is 5 KB, a CUDA generator's 16
-# bytes), a set_state per random op replayed; the other ops test one attribute. Each generator
-# drawn from is put back after a replay (``ckpt_lab.rng.forked``): the caller's streams go on.
-# Limit: a custom op that draws from another generator than its device's default one (a Generator
-# held in Python, another device's) draws in a replay from wherever the ops replayed before left it:
-# right only if the scope does not reseed it and the replay skips no op that drew from it.
-_NOTHING = contextlib.nullcontext()
-
-
-# NOTE [ RNG and autocast in a replay ]
-# Autocast is *off* during a replay: the dispatch level sits below autocast, so the recorded ops are
-# already cast, and replaying them under autocast would cast again. RNG: the default CPU generator
-# and every device of an already initialised accelerator are captured when the scope opens (it can't
-# be known which devices the scope will draw from; each costs a few µs: ``ckpt_lab.rng``'s
-# ``capture_every_device``), and the replay draws inside a fork, so the caller's stream goes on
-# untouched. An accelerator first initialised inside the scope is replayed from its freshly seeded
-# state (``with_initialised_inside``). Each random op then sets its own generator's state (explicit
-# torch.Generator arguments included): see NOTE [ Random ops ].
-def _autocast_off(state: ReplayState) -> Any:
-    """``state.autocast.restored()`` (autocast off), without entering autocast contexts when autocast
-    is off already (NOTE [ Speed ] (i)). The RNG part of ``state.replay()`` is in _Replayer._replay."""
-    if any(torch.is_autocast_enabled(device_type) for device_type, _, _ in state.autocast.settings):
-        return state.autocast.restored()
-    return _NOTHING
-
-
 # ======================================================================================================
 # Hardening: what real code needs besides the mechanism above. Each part is a NOTE the code cites.
 # ======================================================================================================
 # NOTE [ Private names ]
-# The scope stands on torch's private API (ckpt_lab/torch_private.py lists each use and the releases
-# it was checked on). Those it cannot do without are looked up once, at import (the top of this
-# file); on a torch that lacks one, the scope refuses to open and names it, rather than failing
-# inside backward at the first replay (_AutoDispatchBelowAutograd) or recording what it could never
-# put back (the hooks stack). Where a public call does the same, it stands in: torch.set_grad_enabled
-# for _set_grad_enabled. Torch's checkpoint hooks, and Dynamo's marker: NOTE [ A scope inside a
-# checkpoint ] and _skip_dynamo.
+# The scope stands on torch's private API (ckpt_lab/torch_private.py lists each use). What it can't
+# do without is looked up once, at import; on a torch lacking one the scope refuses to open, naming
+# it, rather than failing inside backward. Where a public call does the same, it stands in
+# (torch.set_grad_enabled for _set_grad_enabled).
 _LACKING = [
     path
     for path, found in (
@@ -1380,41 +1222,27 @@ _LACKING = [
 
 
 # NOTE [ What the tape leaves out ]
-# The tape is the forward's ops, and only those. Run through the mode but not recorded:
-# * ops run by our hooks or a replay: see NOTE [ Per-thread state ];
-# * ops of a backward run inside the scope (``loss.backward()`` in the with block). The autograd
-#   engine runs them with the thread's dispatch modes, ours included. Recorded, they made the
-#   gradients scope tensors, and the tape kept every parameter they read: the parameters kept
-#   their gradients, the gradients the recording (through _SCOPE_TENSORS), the recording the parameters,
-#   a cycle through a global that nothing freed, and a resident hook for as long as the model
-#   lived. A backward has nothing to recompute for: what it saves (create_graph) is stored;
-# * ops under inference_mode that write nothing in place: what they make are inference tensors,
-#   which autograd can't save. A later recorded op reads them as inputs (kept by reference, see
-#   NOTE [ Inputs are kept, not recomputed ]) rather than a replay recomputing, say, a teacher's
-#   forward. Ops under inference_mode that write in place are recorded: a replay must see the write.
-
-
+# The tape is the forward's ops, only those. Run through the mode but not recorded:
+# * ops run by our hooks or a replay (NOTE [ Per-thread state ]);
+# * a backward's ops (``loss.backward()`` in the with block: the engine runs them under the thread's
+#   modes). Recorded, the gradients became scope tensors and the tape kept the parameters: a cycle
+#   through a global that nothing freed, a resident hook for the model's life. What a backward saves
+#   (create_graph) is stored;
+# * ops under inference_mode that write nothing in place: their inference tensors can't be saved; a
+#   later op reads them as inputs. Those that write in place are recorded: a replay must see the write.
 # NOTE [ A scope inside a checkpoint ]
 # Some checkpoints re-run their region in backward and match what the re-run saves to what the
-# forward saved, *by position*: torch.utils.checkpoint's non-reentrant checkpoint, ckpt_lab's
-# checkpoint, and any built like them. A scope inside such a region would make the forward save
-# other tensors than the re-run (inside backward a scope does nothing), and the checkpoint would
-# hand out the wrong tensors: silently wrong gradients. So inside their region a scope does
-# nothing; the checkpoint recomputes everything there anyway.
-#
-# Such a checkpoint is recognised by its pack hook, not by the name of the module that defines it
-# (a copied or renamed checkpoint would be missed):
-# * torch's, by the code objects of its two pack hooks (the forward's, defined in
-#   ``_checkpoint_hook.__init__``, and the re-run's, in ``_recomputation_hook.__init__``), read
-#   from torch once, here; the tests check that both are found. torch 2.14 also marks both
-#   ``_checkpoint_internal = True`` (for its own ``_current_user_saved_tensors_hooks``): a second
-#   way to know them, should their code objects move;
-# * any other, by a protocol: a checkpoint whose backward re-runs its region and matches saved
-#   tensors by position sets ``recomputes_region = True`` on its pack hooks, the forward's and the
-#   re-run's (ckpt_lab's checkpoint does, and a copy of its file keeps it).
-# On a torch where neither way finds torch's hooks, any pack hook might be its checkpoint's: there a
-# scope refuses to open while a pack hook it does not know is on the stack (a clear error, where
-# opening could give wrong gradients).
+# forward saved *by position* (torch's non-reentrant checkpoint, ckpt_lab's, any built like them). A
+# scope in such a region would make the forward save other tensors than the re-run (inside backward a
+# scope does nothing): wrong tensors handed out, silently wrong gradients. So there a scope does
+# nothing; the checkpoint recomputes everything anyway. Such a checkpoint is known by its pack hook,
+# not by its module's name (a copy would be missed):
+# * torch's, by the code objects of its two pack hooks (in ``_checkpoint_hook.__init__`` and
+#   ``_recomputation_hook.__init__``), read once here (the tests check both are found); torch 2.14
+#   also marks both ``_checkpoint_internal = True``, a second way should the code objects move;
+# * any other, by a protocol: ``recomputes_region = True`` on its pack hooks (ckpt_lab's checkpoint).
+# On a torch where neither way finds torch's hooks, a scope refuses to open under a pack hook it does
+# not know (a clear error, where opening could give wrong gradients).
 def _pack_hook_codes(*hook_classes: str) -> frozenset[types.CodeType]:
     """The code objects of the ``pack_hook`` functions defined in these classes' ``__init__``."""
     codes = set()
@@ -1487,23 +1315,117 @@ def _inside_a_checkpoint() -> bool:
             _push_saved_tensors_default_hooks(pack, unpack)
 
 
+# NOTE [ A chain of scoped blocks ]
+# Two NOTEs, and the machinery they explain, keep a chain of scoped blocks (a scope that read an
+# earlier scope's tensor) at torch's peak. The replay reaches it through one seam, _Replayer.chain.
+#
+# NOTE [ The first replay of a backward ]
+# Replaying everything at the first unpack costs memory where backward starts. In a chain of scoped
+# blocks (_Chain.chained), the first unpack of a backward comes from the last block's consumer (the
+# loss, a head), saving what the block returned; the block's other saved tensors are wanted only
+# later, by its own backward. Made at once, they stood beside the consumer's backward temporaries, at
+# the step's peak: one tensor of the last block above torch's checkpoint, which recomputes a block
+# inside its own backward (notebook 04 §5). So that first replay serves only the references saved
+# after the scope closed (``consumer``); the block's own get a second replay when its backward first
+# unpacks one (_Chain.split). The first replay keeps the earlier scope's tensor it read, unless it can
+# keep in its stead, within its bytes, some of the block's own tensors from which the second replay
+# needs no earlier scope's tensor (_kept_for_the_second_replay: on the MLP, the Linear's output).
+# Cost: at most the last block once more per backward. The peak is then torch's or below on every
+# benchmark workload. Rejected: doing so for every block (twice the recomputation, no lower peak), or
+# for a scope on its own (the second replay may be its whole tape again).
+#
 # NOTE [ Inputs are kept, not recomputed ]
 # Tensors from outside the scope that a replay reads (inputs, parameters) are kept by strong
-# reference until every reference autograd holds and every scope tensor is gone: an input nothing
-# else keeps (``a`` in ``a + b``, which add does not save) lives until backward. That includes
-# tensors made by an earlier scope and read by a later one, until the later scope's first replay.
-# A _ScopeTensorRef from the start would make the later replay start with the earlier scope's,
-# which would hold all of *its* recomputed tensors while backward goes through the later one, and
-# so on down a chain of scoped layers: peak memory as without any checkpointing. Kept, they are the
-# layer boundaries a checkpoint stores too.
-# Once the later scope has replayed (its with block closed), such an input is needed only by a
-# second backward (retain_graph), so it is let go (_Recomputed): the earlier scope recomputes it
-# anyway, for the references autograd holds to it. Kept, it was alive beside the loss's (or the
-# next block's) backward temporaries at the later replay: one block boundary more at the peak of a
-# scoped MLP or transformer stack (RETURNN's scope drops it too: it replays only once). For a second
-# backward, the earlier scope's next replay offers its copy back (_Recomputed.offer), kept if a
-# reference of the later scope is still alive then (the graph is retained); otherwise a second
-# replay of the later scope asks the earlier one for it, and the replays would cascade down a chain.
+# reference until every reference autograd holds and every scope tensor is gone, earlier scopes'
+# tensors included: referenced instead, a later replay would start with the earlier scope's, holding
+# all of its recomputed tensors, and so on down a chain: the peak of no checkpointing. Kept, they are
+# the layer boundaries a checkpoint stores too. Once the later scope has replayed (closed), such an
+# input is needed only by a second backward, so it is let go (_Recomputed; RETURNN's scope drops it
+# too): kept, it was one block boundary more at the peak. For a second backward the earlier scope's
+# next replay offers its copy back (_Recomputed.offer), kept if a reference of the later scope is
+# still alive; otherwise the later replay asks the earlier scope for it.
+class _Chain:
+    """A scope's part in a chain of scoped blocks, the replay's one seam to the machinery that keeps
+    its peak at torch's: NOTE [ The first replay of a backward ], NOTE [ Inputs are kept, not
+    recomputed ]. For a scope on its own every method leaves the replay as it was."""
+
+    __slots__ = ("chained", "offers", "split")
+
+    def __init__(self) -> None:
+        # The scope read a tensor of an earlier scope: a block of a chain. Known when the scope closes.
+        self.chained = False
+        # Later scopes that read one of our tensors and let it go (_Recomputed), weakly.
+        self.offers: list[weakref.ref[_Recomputed]] = []
+        # (backward, round) of a first replay that served only the consumers, until the rest is served.
+        self.split: tuple[int, int] | None = None
+
+    def closed(self, inputs: list[torch.Tensor]) -> None:
+        """The scope closed, having read ``inputs`` from outside: is one an earlier scope's tensor?"""
+        self.chained = any(_scope_ref(tensor, register=False) is not None for tensor in inputs)
+
+    def select(
+        self, replayer: _Replayer, refs: list[_ScopeTensorRef], trigger: _ScopeTensorRef
+    ) -> tuple[list[_ScopeTensorRef], frozenset, bool]:
+        """The references a replay serves, the slots it has already, whether it lets go of the
+        earlier scopes' tensors it reads (``_run_plan``)."""
+        let_go, held, task = True, frozenset(), _graph_task_id()
+        if task != -1 and _thread.replayed_in != task:
+            # The first replay of this backward: see NOTE [ The first replay of a backward ].
+            _thread.replayed_in = task
+            if self.chained and trigger.consumer and not all(r.consumer for r in refs):
+                keep, let_go = _kept_for_the_second_replay(replayer, refs)
+                # The consumers' tensors (for every reference to them) and those kept.
+                served = keep | {r.storage_slot for r in refs if r.consumer}
+                refs = [r for r in refs if r.storage_slot in served]
+                self.split = (task, replayer.round + 1)
+        elif self.split is not None:
+            if self.split[0] == task:
+                # The rest, after a first replay that served the consumers (and kept ``held``).
+                refs = [r for r in refs if r.round != self.split[1]]
+                held = frozenset(s for s in replayer.values if any(r.storage_slot == s for r in refs))
+            self.split = None
+        return refs, held, let_go
+
+    def let_go(self, replayer: _Replayer, slot: int) -> None:
+        """After a replay read input ``slot``: if it is an earlier scope's tensor, from now on that
+        scope recomputes it (NOTE [ Inputs are kept, not recomputed ])."""
+        record = replayer.slots[slot]
+        ref = _scope_ref(record.source.tensor, register=False)
+        if ref is not None:
+            record.source = _Recomputed(ref, replayer)
+
+    def offer(self, values: dict[int, torch.Tensor]) -> None:
+        """This scope replayed: offer later scopes what they let go of (``_Recomputed.offer``)."""
+        self.offers = [o for o in self.offers if (offer := o()) is not None and offer.offer(values)]
+
+
+def _kept_for_the_second_replay(replayer: _Replayer, refs: list[_ScopeTensorRef]) -> tuple[set[int], bool]:
+    """For a first replay that serves the consumers (NOTE [ The first replay of a backward ]): which
+    of the block's own tensors it keeps too, and whether it lets go of the earlier scopes' tensors
+    it reads. It keeps some if then the second replay needs none of those tensors, and they weigh no
+    more than those tensors do (the peak stays where it was); else none, and lets go of nothing."""
+    ops, slots = replayer.ops, replayer.slots
+    consumers = Counter(r.storage_slot for r in refs if r.consumer)
+    own = Counter(r.storage_slot for r in refs if not r.consumer and r.storage_slot not in consumers)
+    first = _plan_replay(ops, slots, consumers, ())
+    earlier = {s for s in first.inputs if type(slots[s].source) is _Borrowed}
+    earlier = {s for s in earlier if _scope_ref(slots[s].source.tensor, register=False) is not None}
+    written = {slots[w].storage_slot for op in ops for w in op.writes}
+    made_by = {o: i for i in first.run for o in ops[i].outputs}
+    # Kept as the first replay made them: memory no op writes to, made by an op it runs; the latest
+    # first (it spares the second replay the most).
+    candidates = sorted((s for s in own if s not in written and s in made_by), key=made_by.get, reverse=True)
+    kept: list[int] = []
+    for slot in candidates[:4]:
+        kept.append(slot)
+        second = _plan_replay(ops, slots, own, (), frozenset(kept))
+        if not earlier & set(second.inputs):
+            size = sum(math.prod(slots[s].meta[0]) * slots[s].meta[3].itemsize for s in kept)
+            budget = sum(slots[s].source.tensor.untyped_storage().nbytes() for s in earlier)
+            return (set(kept), True) if size <= budget else (set(), False)
+    return set(), False
+
+
 class _Recomputed:
     """An earlier scope's tensor that a replay read as an input (a _Borrowed until then), let go
     after that replay: see NOTE [ Inputs are kept, not recomputed ]."""
@@ -1517,7 +1439,7 @@ class _Recomputed:
         self.wanted = False
         # The earlier scope offers us what its next replay recomputes (``offer``).
         with ref.replayer.lock:
-            ref.replayer.offers.append(weakref.ref(self))
+            ref.replayer.chain.offers.append(weakref.ref(self))
 
     def offer(self, values: dict[int, torch.Tensor]) -> bool:
         """The earlier scope replayed, with ``values`` by storage slot: keep ours if the reading scope may
@@ -1559,25 +1481,38 @@ class _Alias:
 
 
 # NOTE [ Outside tensors written in place ]
-# An outside tensor written in place inside the scope (BatchNorm's running statistics, buf.add_(1))
-# must be updated exactly once, by the forward. So it is copied once, just before the first write
-# (_Snapshot), and each replay writes into a fresh copy of that copy; a large buffer costs its size.
-# Views of it made earlier are replayed as views of the copy, so they see the write too. A tensor
-# that shares memory the scope made (.data, a Parameter initialised in place) is no outside tensor:
-# its writes are replayed into the recomputed memory (_Alias). Refused with CheckpointError: an
-# outside tensor that changed, by an op the scope did not see, between the scope reading it and
-# writing to it.
-class _Snapshot:
-    """An input the scope writes to in place, copied just before the first write: each replay writes
-    into a copy of this copy, and the input itself is updated exactly once, by the forward."""
+# An outside tensor written in place in the scope (BatchNorm's running statistics) must be updated
+# once, by the forward: it is copied just before the first write (_Snapshot) and each replay writes
+# into a copy of that copy (views of it made earlier replay as views of the copy). A tensor on memory
+# the scope made (.data, a Parameter initialised in place) is no outside tensor (_Alias). Refused: an
+# outside tensor changed, by an op the scope did not see, between the scope reading and writing it.
+def _before_writes(tape: _Tape, info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[_Slot, int | None]]:
+    """Before an op that writes in place runs: copy the outside tensors it is about to write to.
 
-    __slots__ = ("tensor",)
+    Returns (slot, version it will have after the op) for each tensor written.
+    """
+    written = []
+    for tensor, marked in info.written(args, kwargs):
+        version = _version_of(tensor)
+        # A marked write bumps the version above us (ADInplaceOrView), after the op returns to autograd.
+        written.append((_before_write(tape, tensor), None if version is None else version + marked))
+    return written
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor.clone()
 
-    def materialize(self) -> torch.Tensor:
-        return self.tensor.clone()
+def _before_write(tape: _Tape, tensor: torch.Tensor) -> _Slot:
+    # See NOTE [ Outside tensors written in place ].
+    slot = _encode_written(tape, tensor)
+    memory = tape.slots[tape.slots[slot].storage_slot]
+    source = memory.source
+    if type(source) is _Borrowed:
+        if _version_of(source.tensor) != source.version:
+            # Limitation: the copy would hold values the scope's earlier reads did not see.
+            raise CheckpointError(
+                "gradient_checkpoint_scope: a tensor from outside the scope changed between the "
+                "scope reading it and writing to it, by an op the scope did not see."
+            )
+        memory.source = _Snapshot(source.tensor)
+    return slot
 
 
 def _encode_written(tape: _Tape, tensor: torch.Tensor) -> _Slot:
@@ -1593,6 +1528,19 @@ def _encode_written(tape: _Tape, tensor: torch.Tensor) -> _Slot:
     if swapped and entry[2] != id(storage_of(tensor)):
         return tape.add_input(tensor)
     return tape.encode(tensor)
+
+
+class _Snapshot:
+    """An input the scope writes to in place, copied just before the first write: each replay writes
+    into a copy of this copy, and the input itself is updated exactly once, by the forward."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.clone()
+
+    def materialize(self) -> torch.Tensor:
+        return self.tensor.clone()
 
 
 _dynamo_skips: list[Any] = []
@@ -1620,44 +1568,32 @@ def _skip_dynamo(code: types.CodeType) -> None:
 # Appendix: NOTE [ Speed ]
 # ======================================================================================================
 # NOTE [ Speed ]
-# The recording runs once per aten op of the forward, and the replay once per op it re-runs, so
-# both spare Python calls where they can. Each shortcut cites its letter:
-# (a) An op's schema facts are looked up in _aten's cache by id(func), without a call on a hit
-#     (an OpOverload's __hash__ is a Python method, and op_info() a Python call).
-# (b) tuple.__new__(_Op, ...) rather than _Op(...): a NamedTuple's __new__ is a Python function.
-# (c) One tensor returned, the common case, is handled without calling _outputs; and _outputs
-#     flattens by hand, without pytree's generic (and slower) traversal. The common paths of a
-#     recorded op are written out in _Tape.record (a known tensor argument, an output's metadata,
-#     new memory), the rare ones are calls (encode, _alias_slot).
-# (d) type(x) is _Slot rather than isinstance(), and _resolve inlined where it runs once per
-#     argument of every replayed op.
+# The recording runs once per aten op of the forward, the replay once per op it re-runs: both spare
+# Python calls where they can. Each shortcut cites its letter:
+# (a) An op's schema facts come from _aten's cache by id(func), without a call on a hit.
+# (b) tuple.__new__(_Op, ...), not _Op(...): a NamedTuple's __new__ is a Python function.
+# (c) _Tape.record writes out the common paths (one tensor returned, a known tensor or a plain value as
+#     argument, an output's metadata, new memory); the rare ones are calls (encode, _alias_slot), and
+#     _outputs flattens by hand, without pytree.
+# (d) type(x) is _Slot, not isinstance(); _resolve and _check_replayed inlined where they run once per
+#     argument or output of every replayed op; no Counter (its update is Python).
 # (e) One shared empty dict (_NO_KWARGS) for ops called without keyword arguments.
-# (f) The per-tensor objects (_SlotRecord, _ScopeTensorRef, _ScopeTensor, ...) have __slots__; and
-#     _ScopeTensor is a weakref subclass, the one weak reference a scope tensor costs: the tape's
-#     identity map (by_id) and the process-wide registry (_SCOPE_TENSORS) share it.
-# (g) The questions asked of every op are C calls (the graph task, inference mode) or attributes
-#     of the cached OpInfo (info.writes, info.random); random ops alone pay for a generator state.
-# (h) Reading a tensor the tape knows costs one dict lookup and a weakref call, nothing more: a
-#     swapped storage (``p.data = ...``) is looked for only before an op writes to it in place.
-# (i) Per scope rather than per op, for a chain of small scoped blocks: a replay enters no autocast
-#     context when autocast is off already and puts the caller's generators back by hand (not a
-#     context manager per generator); a leaf saved in the scope (a parameter) is stored without a
-#     detach op (which would run through the recording mode); the autocast-off state a scope
-#     captures is made once per accelerator (ckpt_lab.rng.capture_every_device).
-# (j) torch wraps a dispatch mode's __torch_dispatch__ in torch._dynamo.disable (so that Dynamo
-#     never traces it), a Python wrapper that swaps the frame-evaluation callback four times per
-#     call: a tenth of the scope's time on a chain of pointwise ops. Instead the mode's code object
-#     is marked once for Dynamo to skip, with every frame it calls (_skip_dynamo): the same
-#     protection, paid in C.
-# (k) An OpOverload's __call__ is a Python frame that calls its C++ entry point, ``func._op``; the
-#     recording and the replay call that entry point (OpInfo.call, _Op.call) directly.
-# (l) Frames spared per saved tensor: the pack hook marks itself as running (NOTE [ Per-thread
-#     state ]) only on the paths that may run ops (storing, handing on), not for a scope tensor; the
-#     unpack hook serves a scope tensor's reference without calling its unpack method; the callback
-#     of a scope tensor's death does the recording's bookkeeping itself.
-# (m) A replay unpacks each recorded op's fields at once; its plan reads the slots each op reads
-#     from _Op.reads, gathered while the op was recorded, not from its arguments again.
-# (n) The pack hook compares a tensor's geometry with its slot's only for a view or an undeclared
-#     alias: the registered tensor itself, on memory of its own, is its slot's tensor.
-# Measured on the benchmark's chain of 64 dropout blocks (paired rounds, one thread, process time on
-# a shared machine): (k)-(n) took the scope from 1.26x to 1.16x torch's non-reentrant checkpoint.
+# (f) __slots__ on the per-tensor objects; _ScopeTensor is a weakref subclass, the one weak reference
+#     a scope tensor costs (the tape's by_id and the registry share it).
+# (g) What every op is asked are C calls (graph task, inference mode) or attributes of its OpInfo.
+# (h) A known tensor costs one dict lookup and a weakref call; a swapped storage (``p.data = ...``) is
+#     looked for only before an in-place write.
+# (i) Per scope: no autocast context when autocast is off; the caller's generators put back by hand; a
+#     leaf saved in the scope stored without a detach op; the autocast-off state made once per device.
+# (j) torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable, a Python wrapper that swaps the
+#     frame-evaluation callback four times per call (a tenth of the scope's time on a pointwise chain);
+#     instead its code object is marked once for Dynamo to skip (_skip_dynamo): the same, paid in C.
+# (k) The recording and the replay call an op's C++ entry point (OpInfo.call, _Op.call), not its
+#     Python __call__.
+# (l) The pack hook marks itself as running only where it may run ops, not for a scope tensor; the
+#     unpack hook serves a reference without its unpack method; a scope tensor's death callback does
+#     the recording's bookkeeping itself.
+# (m) A replay unpacks each op's fields at once; its plan reads _Op.reads, gathered when recording.
+# (n) The pack hook compares geometries only for a view or an undeclared alias.
+# On the benchmark's chain of 64 dropout blocks (paired rounds, one thread): (k)-(n) took the scope
+# from 1.26x to 1.16x torch's non-reentrant checkpoint; (c) and (d) as they are now, 4% more.

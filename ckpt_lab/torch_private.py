@@ -107,7 +107,7 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
     ),
     PrivateUse(
         "torch.autograd.Variable._execution_engine.queue_callback",
-        "scope: _ResidentHooks.release_if_idle; scope_core: _Hooks.release_if_idle",
+        "scope, scope_core: _ResidentHooks.release_if_idle",
         "removes the scope's resident hooks once the backward that freed its last tensor is over",
         "fallback: the hooks go at the next safe point instead (memory of one stack entry; gradients "
         "unaffected); scope_core, which has no fallbacks, lets torch's AttributeError be printed (Python "
@@ -130,14 +130,14 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
     # ------------------------------------------------------------------ saved-tensor hooks stack
     PrivateUse(
         "torch._C._autograd._push_saved_tensors_default_hooks",
-        "scope (_restack, _inside_a_checkpoint), scope_core, explain (_hooks_stack)",
+        "scope (_ResidentHooks.restack, _inside_a_checkpoint), scope_core, explain (_hooks_stack)",
         "puts the scope's resident pack hook below others, and puts back what was popped to look",
         "error: gradient_checkpoint_scope refuses to open, naming it and torch's version (scope_core: "
         "at import); fallback for explain: the hooks stack reads as empty (hooks-based regions unseen)",
     ),
     PrivateUse(
         "torch._C._autograd._pop_saved_tensors_default_hooks",
-        "scope (_restack, _inside_a_checkpoint), scope_core, explain (_hooks_stack), "
+        "scope (_ResidentHooks.restack, _inside_a_checkpoint), scope_core, explain (_hooks_stack), "
         "exercises._feedback (restore_state)",
         "reads the hooks stack below its top (torch shows only the top)",
         "error: as for _push_saved_tensors_default_hooks; fallback for explain: as there; for the "
@@ -161,14 +161,14 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
     # ------------------------------------------------------------------ the scope's replay
     PrivateUse(
         "torch._C._AutoDispatchBelowAutograd",
-        "scope: _Recording.replay",
+        "scope: _Replayer._replay",
         "replays the tape below autograd, as it was recorded: the replay builds no graph",
         "error: gradient_checkpoint_scope refuses to open, naming it and torch's version (a replay "
         "above autograd would build a graph backward never uses)",
     ),
     PrivateUse(
         "torch._C._set_grad_enabled",
-        "scope: _Recording.replay",
+        "scope: _Replayer._replay",
         "switches grad mode between replayed ops without a context manager (speed)",
         "fallback: torch.set_grad_enabled(mode) called as a function does the same",
     ),
