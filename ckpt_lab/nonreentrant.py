@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ckpt_lab._eager import run_eagerly
 from ckpt_lab.errors import CheckpointError, missing_error
 from ckpt_lab.rng import ReplayState
+from ckpt_lab.state_guard import STATE_CHECKS, StateGuard, recomputing
 
 __all__ = [
     "CheckpointError",
@@ -85,6 +86,7 @@ def checkpoint(
     early_stop: bool = True,
     use_reentrant: bool = False,
     respect_saved_tensors_hooks: bool | None = None,
+    state_check: str = "none",
     **kwargs: Any,
 ) -> Any:
     """``function(*args, **kwargs)``, keeping only its inputs; backward recomputes the activations.
@@ -121,6 +123,13 @@ def checkpoint(
       policy saves go through an enclosing ``saved_tensors_hooks`` (``save_on_cpu``); ``None`` (the
       default) and ``False``: they don't, ``True``: they do. Passed on to the ``context_fn``'s
       forward context (``ckpt_lab.selective``'s, or torch 2.14's); without one it does nothing.
+    * ``state_check`` (ours): the state of the region's modules (buffers, attributes holding
+      numbers, tensors, lists, dicts) before the forward, against before the re-run. ``"none"``
+      (the default, as torch): not compared; ``"warn"``/``"raise"``: each change named, module path
+      and attribute, in a warning or a ``CheckpointError``; ``"restore"``: the forward's state put
+      back for the re-run, and the state the forward left after it. ``ckpt_lab.is_recomputing()`` is
+      ``True`` inside the re-run. What it cannot see (globals, closures, C++ state):
+      ``ckpt_lab.state_guard``.
     * ``function`` left out (torch 2.14): ``checkpoint(use_reentrant=False, ...)`` returns a
       decorator; ``checkpoint(use_reentrant=False)(fn)(*args)`` is ``checkpoint(fn, *args)``.
 
@@ -135,6 +144,7 @@ def checkpoint(
         "preserve_rng_state": preserve_rng_state, "context_fn": context_fn,
         "determinism_check": determinism_check, "debug": debug, "early_stop": early_stop,
         "use_reentrant": use_reentrant, "respect_saved_tensors_hooks": respect_saved_tensors_hooks,
+        "state_check": state_check,
     }  # fmt: skip
     if function is None and not args:
         # torch 2.14's configured form, checked now rather than at the first call.
@@ -151,6 +161,9 @@ def checkpoint(
     replay = ReplayState.capture(args, kwargs, preserve_rng_state=preserve_rng_state)
     # Built (and its inputs saved) before our hooks are installed, so they don't swallow the inputs.
     frame = Frame(function, args, kwargs, replay, recompute_context, keywords)
+    if keywords.state_check != "none":
+        # Before the forward: the state it starts from (ckpt_lab.state_guard).
+        frame.state = StateGuard(keywords.state_check, function, args, kwargs, _user_line())
     try:
         with _checkpoint_hooks(pack_to_handle(frame), unpack_from_handle(frame)), forward_context:
             out = function(*args, **kwargs)
@@ -242,6 +255,8 @@ class Frame:
         self.device_context = _device_context()
         # False while the forward runs: a backward inside it may re-run more than was saved so far.
         self.forward_completed = False
+        # state_check's guard (ckpt_lab.state_guard), set by checkpoint when asked for.
+        self.state: StateGuard | None = None
 
     def inputs(self) -> tuple[tuple, dict]:
         """The block's ``(args, kwargs)`` again; unpacking may trigger an enclosing checkpoint's re-run."""
@@ -477,6 +492,8 @@ def recompute(frame: Frame, task: int) -> None:
             _checkpoint_hooks(pack, lambda value: value),
             frame.device_context,
             frame.recompute_context,
+            recomputing(),
+            frame.state.rerun() if frame.state else contextlib.nullcontext(),
         ):
             frame.function(*args, **kwargs)
     except Exception as error:
@@ -590,6 +607,7 @@ class _Keywords:
     debug_log: _DebugLog | None = None
     context_fn: Callable[[], tuple[Any, Any]] | None = None
     respect_saved_tensors_hooks: bool | None = None
+    state_check: str = "none"
 
     @classmethod
     def resolve(
@@ -604,8 +622,15 @@ class _Keywords:
         early_stop: bool,
         use_reentrant: Any,
         respect_saved_tensors_hooks: bool | None,
+        state_check: str = "none",
     ) -> _Keywords:
         check_use_reentrant(use_reentrant, caller)
+        if state_check not in STATE_CHECKS:
+            raise ValueError(
+                f"{caller}: state_check should be one of {list(STATE_CHECKS)}, but got {state_check!r}. "
+                '"warn" and "raise" name the module state that changed between the forward and the '
+                're-run; "restore" puts the forward\'s state back for the re-run.'
+            )
         if not callable(function):
             raise TypeError(
                 f"{caller}: the first argument must be the function to checkpoint, got "
@@ -624,6 +649,7 @@ class _Keywords:
         if (
             determinism_check == "default" and not debug and context_fn in _NOOP_CONTEXT_FNS
             and respect_saved_tensors_hooks is None and _early_stop_override is None and early_stop
+            and state_check == "none"
         ):  # fmt: skip
             return _DEFAULT_KEYWORDS  # the common call: nothing to build
         keywords = cls(
@@ -632,6 +658,7 @@ class _Keywords:
             early_stop=_early_stop_override if _early_stop_override is not None else early_stop,
             context_fn=context_fn,
             respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+            state_check=state_check,
         )
         if debug:
             if context_fn not in (None, noop_context_fn, _torch_checkpoint.noop_context_fn):

@@ -34,6 +34,7 @@ import torch
 from ckpt_lab._eager import run_eagerly
 from ckpt_lab.errors import CheckpointError, missing_error
 from ckpt_lab.rng import ReplayState
+from ckpt_lab.state_guard import recomputing
 
 __all__ = ["CheckpointFunction", "reentrant_checkpoint"]
 
@@ -111,7 +112,7 @@ class CheckpointFunction(torch.autograd.Function):
             inputs[i] = saved.detach().requires_grad_(saved.requires_grad)
 
         # Recompute with the forward's RNG and autocast state, this time recording a graph.
-        with ctx.replay_state.replay(), torch.enable_grad():
+        with ctx.replay_state.replay(), torch.enable_grad(), recomputing():
             outputs = ctx.function(*inputs)
         if ctx.fingerprints is not None:
             ctx.fingerprints.check(outputs)
