@@ -9,6 +9,7 @@ the measured outcome as one line. Adding a case is adding one record to ``CASES`
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,16 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ckpt_lab
 
-__all__ = ["CASES", "Attention", "Case", "LoadCountingMoE", "run"]
+__all__ = [
+    "CASES",
+    "Attention",
+    "Case",
+    "DecoderLayer",
+    "LastActivation",
+    "LoadCountingMoE",
+    "TieRouterMoE",
+    "run",
+]
 
 WIDTH, TOKENS, EXPERTS = 8, 5, 2
 
@@ -91,8 +101,13 @@ def load_counter_step(model: LoadCountingMoE, how: str) -> str:
         "ours": checkpointed("ours", state_check="warn"),
         "fix": checkpointed("ours", state_check="restore"),
     }[how]
-    run(model, x).sum().backward()
-    return f"counted {int(model.tokens_per_expert.sum())} tokens for {TOKENS}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(model, x).sum().backward()
+    # The guard's warning (state_check="warn"): the line that names the change.
+    named = [line.strip() for w in caught for line in str(w.message).splitlines() if "->" in line]
+    said = f"; the guard warned: {named[0]}" if named else ""
+    return f"counted {int(model.tokens_per_expert.sum())} tokens for {TOKENS}{said}"
 
 
 # ----------------------------------------------------------------------- a KV cache appended in forward
@@ -175,8 +190,143 @@ def silenced_step(model: None, how: str) -> str:
     return f"gradient equals the plain run's: {torch.allclose(x.grad, right)}"
 
 
+# ------------------------------------------------------------ an MoE router whose top-1 flips on a near-tie
+# Which run this is, for the stand-in of a kernel whose reduction order changes the last bit (atomics
+# in bf16, another tiling in the re-run): the forward (0) and the re-run (1) break a tie differently.
+# Global on purpose: such a difference lives in no module's state.
+_run = itertools.count()
+# The experts each token goes to: in the forward, and in the re-run (two tokens flip: the same counts;
+# one token flips: other counts, other shapes).
+CHOICES = {
+    "forward": [0, 0, 1, 1, 1],
+    "same shape": [1, 0, 0, 1, 1],
+    "changed shape": [1, 0, 1, 1, 1],
+}
+
+
+class TieRouterMoE(nn.Module):
+    """Top-1 routing over two experts whose router scores every token a near-tie: the choice rests on
+    the last bit, which the forward and the re-run compute differently (``CHOICES``)."""
+
+    def __init__(self, rerun: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = nn.Linear(WIDTH, EXPERTS)
+        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(EXPERTS))
+        self.rerun = rerun
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's output and its top-1: gate weight and expert of each token."""
+        logits = self.router(x) * 1e-6  # a near-tie: every score about the same
+        choice = torch.tensor(CHOICES["forward" if next(_run) == 0 else self.rerun])
+        last_bit = 1e-3 * nn.functional.one_hot(choice, EXPERTS)
+        gate, top = (logits + last_bit).softmax(-1).topk(1)
+        return gate.squeeze(-1), top.squeeze(-1)
+
+    def experts_forward(self, x: torch.Tensor, gate: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tokens = (top == e).nonzero().squeeze(1)
+            out = out.index_add(0, tokens, expert(x[tokens]) * gate[tokens, None])
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts_forward(x, *self.route(x))
+
+
+def router_step(model: TieRouterMoE, how: str) -> str:
+    global _run
+    x = torch.randn(TOKENS, WIDTH)
+    params = list(model.parameters())
+    _run = itertools.count()
+    right = list(torch.autograd.grad(model(x).sum(), params))
+    _run = itertools.count()
+    if how == "fix":
+        # Save the router's output and its top-k: route outside the checkpoint, pass them in.
+        ok = same_grads(lambda: ckpt_lab.checkpoint(model.experts_forward, x, *model.route(x)), params, right)
+    else:
+        ok = same_grads(lambda: checkpointed(how)(model, x), params, right)
+    return f"gradients equal the plain run's: {ok}"
+
+
+# ------------------------------------------------------------------ a module that caches its last activation
+class LastActivation(nn.Module):
+    """A block that keeps its output for a later look (a probe, a logger): ``self.last``."""
+
+    def __init__(self, detach: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(WIDTH, 4 * WIDTH)
+        self.out = nn.Linear(4 * WIDTH, WIDTH)
+        self.detach = detach
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x).relu()
+        self.last = h.detach() if self.detach else h
+        return self.out(h)
+
+
+def last_activation_step(model: LastActivation, how: str) -> str:
+    if how == "fix":
+        model = LastActivation(detach=True)
+    x = torch.randn(TOKENS, WIDTH, requires_grad=True)
+    checkpointed(how)(model, x).sum().backward()
+    graph = model.last.grad_fn is not None
+    return f"after the step, model.last holds {model.last.nbytes} B and the forward's graph: {graph}"
+
+
+# ------------------------------------------------------------- a wrapper that checkpoints each child
+class DecoderLayer(nn.Module):
+    """A toy decoder layer: norm, attention, norm, MLP, with residuals (its children: four modules)."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, 4, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor, wrap: Callable[..., Any] | None = None) -> torch.Tensor:
+        # ``wrap``: what a wrapper that checkpoints each child does to every call of a child.
+        call = wrap or (lambda f, *a: f(*a))
+        h = call(self.norm1, x)
+        x = x + call(lambda t: self.attn(t, t, t, need_weights=False)[0], h)
+        return x + call(self.mlp, call(self.norm2, x))
+
+
+def per_child_step(model: DecoderLayer, how: str) -> str:
+    x = torch.randn(4, 32, 64, requires_grad=True)
+    ckpt = checkpointed(how)
+    if how == "fix":
+        run = lambda: ckpt(model, x).sum()
+    else:
+        run = lambda: model(x, wrap=ckpt).sum()
+    kept = ckpt_lab.measure_memory(run).retained_bytes
+    plain = ckpt_lab.measure_memory(lambda: model(x).sum()).retained_bytes
+    return f"keeps {kept} B between forward and backward ({kept / plain:.0%} of no checkpoint's)"
+
+
 # ------------------------------------------------------------------------------------------- the cases
 CASES = [
+    Case(
+        "an MoE router whose top-1 flips on a near-tie, other counts",
+        "the NeMo Automodel and NeMo RL issues on per-expert token counts that change in the re-run",
+        lambda: TieRouterMoE("changed shape"),
+        router_step,
+        torch="CheckpointError: other shapes in the re-run",
+        ours="CheckpointError: other shapes in the re-run",
+        fix="save the router's output and top-k (route outside the checkpoint): the right gradients",
+    ),
+    Case(
+        "an MoE router whose top-1 flips on a near-tie, the same counts",
+        "the same issues, and the torchtitan issue on MoE routing under activation checkpointing",
+        lambda: TieRouterMoE("same shape"),
+        router_step,
+        torch="no error, wrong gradients",
+        ours="the same: the same ops on the same shapes, other tokens",
+        fix="save the router's output and top-k: the right gradients",
+    ),
     Case(
         "an expert-load counter counted twice",
         "the NeMo Automodel pull request on double-counted expert load under activation checkpointing",
@@ -194,6 +344,24 @@ CASES = [
         torch="CheckpointError (the re-run attends over a longer cache: other shapes)",
         ours="state_check='raise' names Attention.cache (a list of length 0 -> 1)",
         fix="state_check='restore' (or use_cache=False in training)",
+    ),
+    Case(
+        "a module that caches its last activation",
+        "the TRL and LongLive threads (a module keeping what its forward made)",
+        LastActivation,
+        last_activation_step,
+        torch="the cached activation keeps the forward's graph alive after the step",
+        ours="the same",
+        fix="cache h.detach()",
+    ),
+    Case(
+        "a wrapper that checkpoints each child instead of the layer",
+        "the accelerate issue and pull request (29 GB of a 40.8 GB peak kept by per-child checkpoints)",
+        DecoderLayer,
+        per_child_step,
+        torch="each child's input is kept: near no checkpoint's bytes",
+        ours="the same (explain shows each child's input kept)",
+        fix="checkpoint the whole layer",
     ),
     Case(
         "a custom Function that reads ctx.saved_tensors twice",
