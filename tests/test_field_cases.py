@@ -16,7 +16,8 @@ EXPECTED = {
         "gradients equal the plain run's: False", "gradients equal the plain run's: False",
         "gradients equal the plain run's: True"),
     "an expert-load counter counted twice": (
-        "counted 10 tokens for 5", "counted 10 tokens for 5; the guard warned: LoadCountingMoE.tokens_per_expert",
+        "counted 10 tokens for 5",
+        "counted 10 tokens for 5; the guard warned: LoadCountingMoE.tokens_per_expert",
         "counted 5 tokens for 5"),
     "a KV cache appended in forward": (
         "CheckpointError: torch.utils.checkpoint: Recomputed values",

@@ -71,8 +71,9 @@ assert int(model.tokens_per_expert.sum()) == 2 * field.TOKENS
 # raises before the re-run, naming the list.
 
 # %%
+x = torch.randn(field.TOKENS, field.WIDTH)
 try:
-    ckpt_lab.checkpoint(field.Attention(), torch.randn(field.TOKENS, field.WIDTH), state_check="raise").sum().backward()
+    ckpt_lab.checkpoint(field.Attention(), x, state_check="raise").sum().backward()
 except ckpt_lab.CheckpointError as error:
     print(error)
 
