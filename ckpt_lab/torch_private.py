@@ -266,7 +266,7 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
     ),
     PrivateUse(
         "torch.ops.aten._to_copy.default",
-        "selective (is_autocast_weight_cast), explain.zoo",
+        "selective (is_autocast_weight_cast), cases.zoo",
         "the aten op behind .to(dtype): autocast's weight casts",
         _AT_IMPORT + "; an ATen op, which torch's own SAC policies name too",
     ),
