@@ -93,7 +93,7 @@ def _filled(cell: Any) -> bool:
 
 def _state(module: nn.Module) -> dict[str, Any]:
     """The attributes this guard compares, by name: buffers and public non-parameter attributes."""
-    state = {name: value for name, value in module._buffers.items() if value is not None}
+    state = dict(module.named_buffers(recurse=False))
     for name, value in vars(module).items():
         if not name.startswith("_") and not isinstance(value, nn.Parameter):
             if isinstance(value, (numbers.Number, torch.Tensor, list, tuple, dict)):

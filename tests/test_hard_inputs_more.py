@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import pytest
 import torch
@@ -134,3 +135,22 @@ def test_debug_with_torchs_own_noop_context_fn_is_accepted_as_torch_does() -> No
     )
     with pytest.raises(CheckpointError, match="first difference"):
         out.sum().backward()
+
+
+# --------------------------------------------------------------- a SAC policy that saves nothing
+def test_a_function_policy_that_saves_nothing_is_told_so() -> None:
+    aten = torch.ops.aten
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    block = lambda t: (t @ w).relu() @ w
+
+    def packet_policy(ctx, op, *args, **kwargs):
+        return op == aten.mm  # an overload is never equal to its packet
+
+    with pytest.warns(UserWarning, match=r"saved none of the 3 ops it was shown \(aten\.mm\.default, "):
+        ckpt_lab.selective_checkpoint(block, x, policy=packet_policy).sum().backward()
+    # A policy that saves, and a list (refused by torch when it holds packets): no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckpt_lab.selective_checkpoint(block, x, policy=lambda ctx, op, *a, **k: op == aten.mm.default)
+        ckpt_lab.selective_checkpoint(block, x, policy=[aten.mm.default])

@@ -27,7 +27,7 @@
 # | KV cache appended in forward | `CheckpointError` (shapes) | `state_check="raise"` names the cache | `state_check="restore"` |
 # | module caching its last activation | keeps the forward's graph | the same | cache `h.detach()` |
 # | wrapper checkpointing each child | keeps each child's input | the same | checkpoint the layer |
-# | SAC callable policy comparing with `aten.mm` | saves none of the ops, silently | the same | compare with `aten.mm.default` |
+# | SAC callable policy comparing with `aten.mm` | saves none of the ops, silently | a warning saying so | compare with `aten.mm.default` |
 # | `ctx.saved_tensors` read twice | `CheckpointError` | the same sentence, and what to do | read it once |
 # | `determinism_check="none"` as a silencer | wrong gradients | `CheckpointError` naming sin and cos | fix the branch, keep the check |
 #
