@@ -10,6 +10,8 @@ The public API (names and signatures are stable), in the order the notebooks bui
   -- notebook 03b (``nonreentrant``), with torch's ``set_checkpoint_early_stop`` and
   ``set_checkpoint_debug_enabled``
 * ``gradient_checkpoint_scope()`` -- notebook 04 (``scope``)
+* ``is_recomputing()``: ``True`` inside our checkpoints' re-runs, for code that must run once per step
+  (``state_guard``, notebook 07c, with ``checkpoint``'s ``state_check``)
 * ``selective_checkpoint(function, *args, policy, ...)`` -- notebook 05 (``selective``), with the
   modules ``planner`` (an eager memory-budget planner), ``offload`` (saved tensors to CPU) and
   ``batchnorm`` (running statistics updated once under checkpointing)
@@ -44,6 +46,7 @@ from ckpt_lab.reentrant import reentrant_checkpoint
 from ckpt_lab.scope import gradient_checkpoint_scope
 from ckpt_lab.selective import selective_checkpoint
 from ckpt_lab.sequential import checkpoint_sequential
+from ckpt_lab.state_guard import is_recomputing
 
 __all__ = [
     "CallCounter",
@@ -57,6 +60,7 @@ __all__ = [
     "count_flops",
     "explain",
     "gradient_checkpoint_scope",
+    "is_recomputing",
     "measure_memory",
     "reentrant_checkpoint",
     "selective_checkpoint",

@@ -294,6 +294,14 @@ def compile_step(
             f"argument, fn, is the function (or nn.Module) to compile, and {fn!r:.60} is not callable; "
             "the tensors it runs on come after it: compile_step(fn, *inputs)."
         )
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+        # The partitioner reads any float; outside [0, 1] it fails deep inside the compiler, and NaN
+        # compares false with everything, so it would pass silently as some budget.
+        raise ValueError(
+            f"compile_step: budget must be a number from 0 to 1 (activation_memory_budget: the fraction "
+            f"of the activations' bytes torch.compile may keep; 1 keeps all, 0 recomputes all it can), "
+            f"got {budget!r}."
+        )
     if not params and isinstance(fn, torch.nn.Module):
         params = [p for p in fn.parameters() if p.requires_grad]
     graphs: dict[str, torch.fx.GraphModule] = {}

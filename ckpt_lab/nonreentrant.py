@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils.checkpoint as _torch_checkpoint
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -50,11 +51,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ckpt_lab._eager import run_eagerly
 from ckpt_lab.errors import CheckpointError, missing_error
 from ckpt_lab.rng import ReplayState
+from ckpt_lab.state_guard import STATE_CHECKS, StateGuard, recomputing
 
 __all__ = [
     "CheckpointError",
     "Frame",
     "Handle",
+    "History",
     "check_use_reentrant",
     "checkpoint",
     "frame_of",
@@ -83,6 +86,7 @@ def checkpoint(
     early_stop: bool = True,
     use_reentrant: bool = False,
     respect_saved_tensors_hooks: bool | None = None,
+    state_check: str = "none",
     **kwargs: Any,
 ) -> Any:
     """``function(*args, **kwargs)``, keeping only its inputs; backward recomputes the activations.
@@ -97,10 +101,16 @@ def checkpoint(
       selective_checkpoint_contexts, policy)`` makes the checkpoint selective (notebook 05), and so
       does torch's ``create_selective_checkpoint_contexts``. ``None`` means none.
     * ``determinism_check="default"`` compares each recomputed tensor with the forward's: its shape,
-      dtype and device (torch's check), and the op that made it (ours: the name of its ``grad_fn``,
-      which catches a re-run that took another path with tensors of the same shapes, and a re-run
-      that would save *more* tensors even when early stop ends it before torch could notice). It
-      raises ``CheckpointError`` on the first difference. ``"none"`` compares nothing (a
+      dtype and device (torch's check), the op that made it (ours: the name of its ``grad_fn``,
+      which catches a re-run that would save *more* tensors even when early stop ends it before
+      torch could notice), and the names of the autograd nodes the region created on the way to it
+      (ours: NOTE [ Every op is compared ], which catches a re-run that ran another op whose output
+      is not saved, ``t.sin().exp()`` against ``t.cos().exp()``). It raises ``CheckpointError`` on
+      the first difference, naming both ops and the line. What it cannot see: the same op fed other
+      values (``t + 1`` against ``t + 2``). ``"makers"`` (ours) skips the nodes on the way: the walk
+      cost 1.12-1.19x a step on regions of many tiny ops (pointwise-32, chain-64; within the noise,
+      0.98-1.04x, on mlp-8 and transformer-4: paired rounds, one thread, process time).
+      ``"none"`` compares nothing (a
       recomputation that saves a different *number* of tensors still raises: backward would miss
       tensors).
     * ``debug=True``: on such an error, the message adds the aten ops of the forward and of the
@@ -114,6 +124,13 @@ def checkpoint(
       policy saves go through an enclosing ``saved_tensors_hooks`` (``save_on_cpu``); ``None`` (the
       default) and ``False``: they don't, ``True``: they do. Passed on to the ``context_fn``'s
       forward context (``ckpt_lab.selective``'s, or torch 2.14's); without one it does nothing.
+    * ``state_check`` (ours): the state of the region's modules (buffers, attributes holding
+      numbers, tensors, lists, dicts) before the forward, against before the re-run. ``"none"``
+      (the default, as torch): not compared; ``"warn"``/``"raise"``: each change named, module path
+      and attribute, in a warning or a ``CheckpointError``; ``"restore"``: the forward's state put
+      back for the re-run, and the state the forward left after it. ``ckpt_lab.is_recomputing()`` is
+      ``True`` inside the re-run. What it cannot see (globals, closures, C++ state):
+      ``ckpt_lab.state_guard``.
     * ``function`` left out (torch 2.14): ``checkpoint(use_reentrant=False, ...)`` returns a
       decorator; ``checkpoint(use_reentrant=False)(fn)(*args)`` is ``checkpoint(fn, *args)``.
 
@@ -128,6 +145,7 @@ def checkpoint(
         "preserve_rng_state": preserve_rng_state, "context_fn": context_fn,
         "determinism_check": determinism_check, "debug": debug, "early_stop": early_stop,
         "use_reentrant": use_reentrant, "respect_saved_tensors_hooks": respect_saved_tensors_hooks,
+        "state_check": state_check,
     }  # fmt: skip
     if function is None and not args:
         # torch 2.14's configured form, checked now rather than at the first call.
@@ -144,8 +162,19 @@ def checkpoint(
     replay = ReplayState.capture(args, kwargs, preserve_rng_state=preserve_rng_state)
     # Built (and its inputs saved) before our hooks are installed, so they don't swallow the inputs.
     frame = Frame(function, args, kwargs, replay, recompute_context, keywords)
-    with _checkpoint_hooks(pack_to_handle(frame), unpack_from_handle(frame)), forward_context:
-        out = function(*args, **kwargs)
+    if keywords.state_check != "none":
+        # Before the forward: the state it starts from (ckpt_lab.state_guard).
+        frame.state = StateGuard(keywords.state_check, function, args, kwargs, _user_line())
+    try:
+        with _checkpoint_hooks(pack_to_handle(frame), unpack_from_handle(frame)), forward_context:
+            out = function(*args, **kwargs)
+    finally:
+        # The forward's nodes are known by their names in ``histories`` now: let go of them (the
+        # graph holds our hooks, which hold the frame: nodes kept here would be a cycle through C++
+        # that Python's collector cannot see).
+        if frame.history is not None:
+            frame.forward_nodes = frame.history.numbers()
+        frame.history = None
     frame.forward_completed = True
     return out
 
@@ -211,6 +240,12 @@ class Frame:
         self.handles: list[weakref.ref[Handle]] = []
         self.metas: list[_Meta] = []
         self.makers: list[str] = []
+        # Per saved tensor, the autograd nodes the region created for it that no earlier saved tensor
+        # came from (``History``): the re-run must create the same ones (NOTE [ Every op is compared ]).
+        self.histories: list[tuple[str, ...]] = []
+        self.walk = keywords.walk and keywords.check and _WALKS
+        self.history = History(tensors) if self.walk else None
+        self.forward_nodes = range(0)
         # Graph tasks (backward calls) that have already had their recomputation.
         self.recomputed_for: set[int] = set()
         # torch's keywords: compare each recomputed tensor (determinism_check); stop early.
@@ -221,6 +256,8 @@ class Frame:
         self.device_context = _device_context()
         # False while the forward runs: a backward inside it may re-run more than was saved so far.
         self.forward_completed = False
+        # state_check's guard (ckpt_lab.state_guard), set by checkpoint when asked for.
+        self.state: StateGuard | None = None
 
     def inputs(self) -> tuple[tuple, dict]:
         """The block's ``(args, kwargs)`` again; unpacking may trigger an enclosing checkpoint's re-run."""
@@ -254,6 +291,7 @@ def pack_to_handle(frame: Frame) -> Callable[[torch.Tensor], Handle]:
         frame.metas.append(_Meta.of(tensor))
         if frame.check:
             frame.makers.append(made_by(tensor))
+            frame.histories.append(frame.history.of(tensor) if frame.history else ())
         return handle
 
     # The protocol of checkpoints whose backward re-runs the region and matches saved tensors by
@@ -325,6 +363,66 @@ def made_by(tensor: torch.Tensor) -> str:
     return "leaf" if tensor.requires_grad else "no grad"
 
 
+# On a torch without the thread's node counter, only the makers are compared (torch_private.py).
+_WALKS = hasattr(torch._C._autograd, "_get_sequence_nr")
+
+
+# NOTE [ Every op is compared ]
+# Comparing the op that *made* each saved tensor misses a re-run that differs in an op whose output is
+# not saved: in ``t.sin().exp()`` against ``t.cos().exp()``, sin and cos both save ``t``, exp saves
+# its own output, and every saved tensor has the same maker, yet exp's output differs. So each saved
+# tensor also carries the names of the autograd nodes it was computed through that the region itself
+# created and that no earlier saved tensor came from: a walk from its ``grad_fn`` along
+# ``next_functions``, stopping at nodes already walked, at the region's inputs' nodes and at nodes
+# older than the region (autograd numbers the nodes of a thread in creation order,
+# ``_sequence_nr``; the parameters' ``AccumulateGrad`` nodes carry the largest number). Each node is
+# walked once per run, so it costs one visit per node the region created, in the forward and in the
+# re-run. The re-run must walk the same names at the same saved tensor, wherever it stops early.
+# What it cannot see: a different *value* fed to the same op (``t + 1`` against ``t + 2``), and ops
+# that no saved tensor was computed from (backward never reads those).
+class History:
+    """The walk of the NOTE above for one run of the region: ``of(tensor)`` gives the names of the
+    nodes behind ``tensor`` that this run created and that no earlier call walked."""
+
+    def __init__(self, inputs: list, forward: range = range(0)) -> None:
+        # The number the region's first node will get: everything the region creates is younger.
+        self.start = torch._C._autograd._get_sequence_nr()
+        # The numbers of the forward's own nodes, walked in the re-run too: autocast's cache hands
+        # the re-run the forward's cast of a weight (its node) instead of casting again.
+        self.forward = forward
+        # The youngest node walked: with ``start``, the range of this run's nodes.
+        self.last = self.start - 1
+        # The inputs' nodes are where the region starts, even when another thread created them (a
+        # CUDA backward re-runs on autograd's device thread, whose numbers are its own).
+        self.seen = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+
+    def numbers(self) -> range:
+        """The numbers of the nodes this run created, as far as the walk went."""
+        return range(self.start, self.last + 1)
+
+    def of(self, tensor: torch.Tensor) -> tuple[str, ...]:
+        names: list[str] = []
+        stack = [tensor.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in self.seen:
+                continue
+            number = node._sequence_nr()
+            # Older than the region (but the forward's own), or a leaf's AccumulateGrad (2**64 - 1).
+            if number >= 2**63 or (number < self.start and number not in self.forward):
+                continue
+            self.last = max(self.last, number)
+            self.seen.add(node)
+            name = node.name()
+            # Casts are walked through, not compared: autocast casts a weight once per autocast block
+            # and caches it, so a re-run casts where the forward found the cast made (or the other
+            # way round). A cast to another dtype shows in the saved tensors' dtypes.
+            if name != "ToCopyBackward0":
+                names.append(name)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        return tuple(names)
+
+
 def recompute(frame: Frame, task: int) -> None:
     """Re-run the block, filling the still-alive handles for backward ``task``, by position."""
     # Strong references for the length of the re-run; None where backward already freed the node.
@@ -341,8 +439,19 @@ def recompute(frame: Frame, task: int) -> None:
     # Each tensor handed to a handle, with its version counter then: autograd skips its in-place check
     # for tensors saved through hooks, so we redo it when the re-run ends.
     stored: list[tuple[int, torch.Tensor, int]] = []
+    # Unpack the inputs first: for a nested checkpoint this runs the enclosing one's re-run.
+    args, kwargs = frame.inputs()
+    # The nodes the re-run creates, walked as the forward's were (NOTE [ Every op is compared ]).
+    history = History(tree_flatten((args, kwargs))[0], frame.forward_nodes) if frame.walk else None
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            return compare_and_store(tensor)
+        except Exception as error:
+            raised.append(error)  # see the except clause below
+            raise
+
+    def compare_and_store(tensor: torch.Tensor) -> torch.Tensor:
         index = next(position)
         # Detached: the handle must keep the value alive, not the recomputed graph around it. A
         # tensor that doesn't require grad has no graph: it is kept as it is, the same object.
@@ -358,10 +467,14 @@ def recompute(frame: Frame, task: int) -> None:
                 mismatches.append((index, frame.metas[index], recomputed))
             handles[index].recomputed[task] = value
             stored.append((index, value, value._version))  # compared when the re-run ends
-        # Another op made it: the re-run took another path. Stop at once, here, where it happened.
-        if frame.check and made_by(tensor) != frame.makers[index]:
-            other = _other_op(index, frame.makers[index], made_by(tensor), mismatches)
-            raise _explained(frame, other)
+        # Another op made it, or another op ran before: the re-run took another path. Stop at once,
+        # here, where it happened.
+        if frame.check:
+            if made_by(tensor) != frame.makers[index]:
+                raise _explained(frame, _other_op(index, frame.makers[index], made_by(tensor), mismatches))
+            ran = history.of(tensor) if history else ()
+            if ran != frame.histories[index]:
+                raise _explained(frame, _other_history(index, frame, ran, mismatches))
         if index == stop_at:
             raise _StopRecomputation
         # The recomputed graph keeps its own saved tensors; it dies when the re-run returns.
@@ -370,9 +483,8 @@ def recompute(frame: Frame, task: int) -> None:
     # The re-run is the region too: a scope opened in it must do nothing here either (a re-run
     # outside backward, for ``grad_fn._saved_result``, is not inside backward).
     pack.recomputes_region = True  # type: ignore[attr-defined]
+    raised: list[Exception] = []
 
-    # Unpack the inputs first: for a nested checkpoint this runs the enclosing one's re-run.
-    args, kwargs = frame.inputs()
     try:
         # Grad mode on (backward runs with it off), or the ops would save nothing for us to capture.
         with (
@@ -381,14 +493,31 @@ def recompute(frame: Frame, task: int) -> None:
             _checkpoint_hooks(pack, lambda value: value),
             frame.device_context,
             frame.recompute_context,
+            recomputing(),
+            frame.state.rerun() if frame.state else contextlib.nullcontext(),
         ):
             frame.function(*args, **kwargs)
-    except _StopRecomputation:
-        pass
+    except Exception as error:
+        # A TorchScript function re-raises a hook's exception as a bare RuntimeError of its own
+        # (empty message): what our hook raised is the real one, the stop included. (Popped, not
+        # kept: a kept exception would hold the re-run's frames, and its tensors, in a cycle.)
+        hooks = raised.pop() if raised else None
+        if hooks is error:
+            hooks = None
+        if hooks is None and not isinstance(error, _StopRecomputation):
+            raise
+        if hooks is not None and not isinstance(hooks, _StopRecomputation):
+            raise hooks from None
+        hooks = None
     else:
         saved = next(position)
         if saved < len(frame.metas) and not beyond_forward[0]:
             raise _explained(frame, _count_mismatch(len(frame.metas), saved))
+    finally:
+        # The re-run's graph holds this pack hook, which holds ``history``: its nodes must go, or
+        # they and the graph would keep each other alive through C++, out of the collector's sight.
+        if history is not None:
+            history.seen.clear()
     if mismatches:
         raise _explained(frame, _metadata_mismatch(mismatches))
     for index, value, version in stored:
@@ -412,8 +541,11 @@ if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):
 _early_stop_override: bool | None = None
 _debug_override: bool | None = None
 # torch's values for ``determinism_check``: compare (torch: shape, dtype, device; ours: and the op
-# that made each tensor); or compare nothing.
+# that made each tensor, and the nodes on the way to it); or compare nothing.
 _DETERMINISM_CHECKS = ("default", "none")
+# Ours besides: compare shape, dtype, device and the maker, not the nodes on the way (NOTE [ Every
+# op is compared ]: the walk costs 12-19% of a step on regions of many tiny ops).
+_MAKERS_ONLY = "makers"
 
 
 @contextlib.contextmanager
@@ -470,10 +602,13 @@ class _Keywords:
     """torch's keywords of one call, checked, with the global overrides applied."""
 
     check: bool = True
+    # The nodes on the way to each saved tensor compared too (NOTE [ Every op is compared ]).
+    walk: bool = True
     early_stop: bool = True
     debug_log: _DebugLog | None = None
     context_fn: Callable[[], tuple[Any, Any]] | None = None
     respect_saved_tensors_hooks: bool | None = None
+    state_check: str = "none"
 
     @classmethod
     def resolve(
@@ -488,34 +623,46 @@ class _Keywords:
         early_stop: bool,
         use_reentrant: Any,
         respect_saved_tensors_hooks: bool | None,
+        state_check: str = "none",
     ) -> _Keywords:
         check_use_reentrant(use_reentrant, caller)
+        if state_check not in STATE_CHECKS:
+            raise ValueError(
+                f"{caller}: state_check should be one of {list(STATE_CHECKS)}, but got {state_check!r}. "
+                '"warn" and "raise" name the module state that changed between the forward and the '
+                're-run; "restore" puts the forward\'s state back for the re-run.'
+            )
         if not callable(function):
             raise TypeError(
                 f"{caller}: the first argument must be the function to checkpoint, got "
                 f"{type(function).__name__}: call {caller}(function, *args), or "
                 f"{caller}(**keywords)(function)."
             )
-        if determinism_check not in _DETERMINISM_CHECKS:
+        if determinism_check not in (*_DETERMINISM_CHECKS, _MAKERS_ONLY):
             raise ValueError(
                 f"{caller}: determinism_check should be one of {list(_DETERMINISM_CHECKS)}, but got "
                 f'{determinism_check}. "default" compares shape, dtype and device of every recomputed '
-                'tensor with the forward\'s, and the op that made it; "none" compares nothing.'
+                "tensor with the forward's, the op that made it and the ops on the way to it; "
+                f'"none" compares nothing; ckpt_lab also takes "{_MAKERS_ONLY}": all but the ops on '
+                "the way."
             )
         debug = _debug_override if _debug_override is not None else debug
         if (
-            determinism_check == "default" and not debug and context_fn is noop_context_fn
+            determinism_check == "default" and not debug and context_fn in _NOOP_CONTEXT_FNS
             and respect_saved_tensors_hooks is None and _early_stop_override is None and early_stop
+            and state_check == "none"
         ):  # fmt: skip
             return _DEFAULT_KEYWORDS  # the common call: nothing to build
         keywords = cls(
-            check=determinism_check == "default",
+            check=determinism_check != "none",
+            walk=determinism_check == "default",
             early_stop=_early_stop_override if _early_stop_override is not None else early_stop,
             context_fn=context_fn,
             respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+            state_check=state_check,
         )
         if debug:
-            if context_fn not in (None, noop_context_fn):
+            if context_fn not in (None, noop_context_fn, _torch_checkpoint.noop_context_fn):
                 raise ValueError(
                     f"{caller}: debug=True is incompatible with non-default context_fn. debug records "
                     "the ops through a context of its own; drop one of the two."
@@ -534,6 +681,8 @@ class _Keywords:
         return forward, recompute
 
 
+# Ours, and torch's default passed explicitly (as torch's own tests do): both mean no contexts.
+_NOOP_CONTEXT_FNS = (noop_context_fn, _torch_checkpoint.noop_context_fn)
 # Shared by every call that passes no keyword of its own (never modified).
 _DEFAULT_KEYWORDS = _Keywords(context_fn=noop_context_fn)
 
@@ -556,7 +705,18 @@ class _Configured:
                 "arguments in each call instead."
             )
         _Keywords.resolve(entry.__name__, len, **keywords)  # refuse bad keywords at once
-        return lambda function: cls(entry, function, keywords)
+
+        def configured(function: Callable[..., Any], *args: Any) -> _Configured:
+            if args:
+                # ``checkpoint(use_reentrant=False)(fn, x)``: the arguments went to the decorator.
+                raise TypeError(
+                    f"{entry.__name__}(**keywords) returns a decorator, which takes the function alone; "
+                    f"it got {1 + len(args)} arguments. Call {entry.__name__}(**keywords)(function)(*args), "
+                    f"or {entry.__name__}(function, *args, **keywords)."
+                )
+            return cls(entry, function, keywords)
+
+        return configured
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.entry(self.function, *args, **self.keywords, **kwargs)
@@ -701,6 +861,32 @@ def _other_op(
     )
     if mismatches:
         # torch's error for the metadata comes first; the op says where the paths parted.
+        return _metadata_mismatch(mismatches, then=f"The re-run took another path: {differs}\n")
+    return CheckpointError(
+        f"checkpoint: the recomputation took another path than the forward: {differs} Shapes, dtypes "
+        f"and devices agree, so torch's determinism check would let it through, with wrong "
+        f"gradients. {_ADVICE}\n{_DEBUG_TIP}"
+    )
+
+
+def _other_history(
+    index: int, frame: Frame, ran: tuple[str, ...], mismatches: list[tuple[int, _Meta, _Meta]]
+) -> CheckpointError:
+    """Ours (torch has no such check): the same op saved the tensor at this position, but the re-run
+    computed it through other ops (NOTE [ Every op is compared ])."""
+    forward = frame.histories[index]
+    # The first node the two walks disagree on (a walk that ended early has "nothing" there).
+    at = next(i for i in range(max(len(forward), len(ran))) if forward[i : i + 1] != ran[i : i + 1])
+
+    def op(names: tuple[str, ...]) -> str:
+        return _op_name(names[at]) if at < len(names) else "no op"
+
+    differs = (
+        f"saved tensor {index} (made by {_op_name(frame.makers[index])} in both) was computed through "
+        f"{op(forward)} in the forward and through {op(ran)} in the re-run; the re-run saved it at "
+        f"{_user_line()}."
+    )
+    if mismatches:
         return _metadata_mismatch(mismatches, then=f"The re-run took another path: {differs}\n")
     return CheckpointError(
         f"checkpoint: the recomputation took another path than the forward: {differs} Shapes, dtypes "

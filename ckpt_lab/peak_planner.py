@@ -240,6 +240,7 @@ def profile_peak(
     planner can always choose what the other would. ``profiles``: the regions' retained-bytes
     profiles if made already (``profile_sequential``).
     """
+    _check_chain(functions, loss)
     if profiles is None:
         profiles = profile_sequential(functions, input)
     if len(profiles) != len(functions):
@@ -252,6 +253,13 @@ def profile_peak(
         stand_in = x if index == 0 else x.detach().requires_grad_(x.requires_grad)
         with torch.enable_grad(), _leaving_no_trace(x):
             y = function(stand_in)
+        if index == len(functions) and not (isinstance(y, torch.Tensor) and y.numel() == 1):
+            # backward() of the planned step needs a scalar; without this the plan would fail later.
+            got = f"a tensor of shape {tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__
+            raise ValueError(
+                f"plan_peak: loss must return a scalar tensor (the step calls loss(output).backward()), "
+                f"but it returned {got}. Reduce it, e.g. loss=lambda y: y.square().mean()."
+            )
         leaves.append([t for t in leaves_of(y.grad_fn) if index == 0 or t is not stand_in])
         if index < len(functions):
             inputs.append(y.detach().requires_grad_(y.is_floating_point()))
@@ -269,6 +277,21 @@ def profile_peak(
         pp.ways.append([pp.way(region, saved) for saved in menu])
     pp.loss_way = pp.way(len(functions), None)
     return pp
+
+
+def _check_chain(functions: Sequence[Any], loss: Any) -> None:
+    """Callables where callables are expected, each named by its place in the chain."""
+    for index, function in enumerate(functions):
+        if not callable(function):
+            raise TypeError(
+                f"plan_peak: region {index} of functions is {type(function).__name__} {function!r:.60}, "
+                "not a callable: functions is a sequence of modules or functions, run one after the other."
+            )
+    if not callable(loss):
+        raise TypeError(
+            f"plan_peak: loss must be a callable that makes a scalar loss from the chain's output, "
+            f"got {loss!r:.60}; leave it out for the mean of the output squared."
+        )
 
 
 def _signature(prof: Profile) -> tuple[Any, ...]:

@@ -34,6 +34,7 @@ import torch
 from ckpt_lab._eager import run_eagerly
 from ckpt_lab.errors import CheckpointError, missing_error
 from ckpt_lab.rng import ReplayState
+from ckpt_lab.state_guard import recomputing
 
 __all__ = ["CheckpointFunction", "reentrant_checkpoint"]
 
@@ -111,7 +112,7 @@ class CheckpointFunction(torch.autograd.Function):
             inputs[i] = saved.detach().requires_grad_(saved.requires_grad)
 
         # Recompute with the forward's RNG and autocast state, this time recording a graph.
-        with ctx.replay_state.replay(), torch.enable_grad():
+        with ctx.replay_state.replay(), torch.enable_grad(), recomputing():
             outputs = ctx.function(*inputs)
         if ctx.fingerprints is not None:
             ctx.fingerprints.check(outputs)
@@ -169,10 +170,21 @@ def _check_options(options: dict[str, Any]) -> bool:
     custom_context = context_fn is not None and getattr(context_fn, "__name__", "") != "noop_context_fn"
     if custom_context or debug or respect is not None:
         # torch 2.13's sentence names context_fn and debug; 2.14's adds respect_saved_tensors_hooks.
+        # Ours then says which of the three this call passed.
+        passed = [
+            f"{name}={value!r:.40}"
+            for name, value, given in (
+                ("context_fn", context_fn, custom_context),
+                ("debug", debug, bool(debug)),
+                ("respect_saved_tensors_hooks", respect, respect is not None),
+            )
+            if given
+        ]
         raise ValueError(
             "Passing `context_fn` or `debug` is only supported when use_reentrant=False. "
-            "reentrant_checkpoint recomputes inside its own backward, where no context, op log or "
-            "saved-tensor hook applies; ckpt_lab.checkpoint (the non-reentrant variant) takes them."
+            f"reentrant_checkpoint got {', '.join(passed)}: it recomputes inside its own backward, where "
+            "no context, op log or saved-tensor hook applies; ckpt_lab.checkpoint (the non-reentrant "
+            "variant) takes them."
         )
     if options:
         raise ValueError(

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import enum
 import itertools
+import types
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,7 +174,8 @@ def selective_checkpoint_contexts(
             "selective_checkpoint: policy_fn_or_list must be either a function or a list of ops. "
             f"Got {policy!r}."
         )
-    cache = _Cache(chosen, strict=strict)
+    # A function the user wrote is watched: NOTE [ A policy that saves nothing ].
+    cache = _Cache(_Watched(chosen) if isinstance(policy, types.FunctionType) else chosen, strict=strict)
     save = SaveMode(cache)
     save.respect_saved_tensors_hooks = respect_saved_tensors_hooks
     return save, ServeMode(cache)
@@ -232,6 +235,9 @@ class SaveMode(TorchDispatchMode):
         # to raise when backward wants it, as torch does.)
         if not self.cache.strict:
             self.cache.entries = {i: e for i, e in self.cache.entries.items() if not e.modified}
+        policy = self.cache.policy
+        if isinstance(policy, _Watched) and not policy.saved_any and self.cache.ops:
+            warnings.warn(_nothing_saved(self.cache.ops), stacklevel=2)
         return super().__exit__(*args)
 
 
@@ -290,6 +296,36 @@ class _Cache:
     strict: bool = False
     # Positions served already (strict mode only needs them: a second recomputation meets one again).
     served: set[int] = field(default_factory=set)
+
+
+# NOTE [ A policy that saves nothing ]
+# A policy written as a function, ``op == aten.mm``, compares the overload it is shown
+# (``aten.mm.default``) with a packet: never equal, so it saves nothing, and the selective checkpoint
+# is a plain one, silently (a PyTorch issue on such policies; torch refuses packets only in the list
+# form). So when a function policy answered "save" for none of the ops it was shown, the forward
+# ends with a warning that says so and names the ops.
+class _Watched:
+    """A function policy, and whether it ever answered "save" (True, MUST_SAVE or PREFER_SAVE)."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy, self.saved_any = policy, False
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        answer = self.policy(ctx, op, *args, **kwargs)
+        saves = answer is True or answer in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+        self.saved_any = self.saved_any or saves
+        return answer
+
+
+def _nothing_saved(ops: list[Any]) -> str:
+    shown = ", ".join(dict.fromkeys(str(op) for op in ops))
+    return (
+        f"selective_checkpoint: the policy saved none of the {len(ops)} ops it was shown ({shown}): "
+        "every op is recomputed, as under a plain checkpoint. A policy that compares op with an op "
+        "packet (op == torch.ops.aten.mm) matches nothing: it is shown overloads "
+        "(torch.ops.aten.mm.default). Compare with the overload, or op.overloadpacket with the packet; "
+        "for a policy meant to save nothing, use ckpt_lab.checkpoint."
+    )
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:

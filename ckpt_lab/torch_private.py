@@ -114,6 +114,14 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
         "ignores it in the weakref callback that meets it) and the hooks go at the next scope",
     ),
     PrivateUse(
+        "torch._C._autograd._get_sequence_nr",
+        "nonreentrant: History (NOTE [ Every op is compared ])",
+        "the number autograd gives the next node this thread creates: the nodes a checkpointed region "
+        "(and its re-run) created are the ones numbered from there",
+        "fallback: the re-run check compares the op that made each saved tensor only (a differing op "
+        "whose output is not saved goes unseen, as in torch's check)",
+    ),
+    PrivateUse(
         "torch._C._current_autograd_node",
         "explain.regions: _backward_context",
         "names the autograd node that runs a backward op",
@@ -258,7 +266,7 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
     ),
     PrivateUse(
         "torch.ops.aten._to_copy.default",
-        "selective (is_autocast_weight_cast), explain.zoo",
+        "selective (is_autocast_weight_cast), cases.zoo",
         "the aten op behind .to(dtype): autocast's weight casts",
         _AT_IMPORT + "; an ATen op, which torch's own SAC policies name too",
     ),
@@ -387,6 +395,14 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
         _AT_IMPORT + "; no public equivalent",
     ),
     PrivateUse(
+        "torch.autograd.graph.Node()._sequence_nr",
+        "nonreentrant: History (NOTE [ Every op is compared ])",
+        "the creation number of an autograd node (every node has it, C++ ones and custom Functions' "
+        "alike): which nodes a checkpointed region created",
+        "fallback: with torch._C._autograd._get_sequence_nr (both came together), the re-run check "
+        "compares the op that made each saved tensor only",
+    ),
+    PrivateUse(
         "torch.Tensor()._version",
         "scope (in-place checks), scope_core, selective (_Entry.modified), planner (profiling)",
         "the version counter autograd's own in-place check reads",
@@ -416,6 +432,8 @@ def _sample(cls_path: str) -> Any:
         "torch.nn.Module": lambda: torch.nn.Linear(1, 1),
         "torch._ops.OpOverload": lambda: torch.ops.aten.add.Tensor,
         "torch._ops.OpOverloadPacket": lambda: torch.ops.aten.add,
+        # An autograd node (the class of C++ nodes has no importable name).
+        "torch.autograd.graph.Node": lambda: torch.zeros(2, requires_grad=True).sin().grad_fn,
     }[cls_path]()
 
 

@@ -27,9 +27,10 @@ from ckpt_lab import (
     reentrant_checkpoint,
     selective_checkpoint,
 )
-from ckpt_lab.explain import explain, zoo
+from ckpt_lab.cases import zoo
+from ckpt_lab.cases.examples import stack
+from ckpt_lab.explain import explain
 from ckpt_lab.explain.__main__ import load, main
-from ckpt_lab.explain.examples import stack
 from ckpt_lab.instruments.memory import measure_memory
 from ckpt_lab.instruments.state import assert_no_global_state
 from ckpt_lab.offload import offload_to_cpu
@@ -726,10 +727,10 @@ print("ok")
 
 def test_the_name_stays_the_function_whatever_imports_the_subpackage() -> None:
     import ckpt_lab.explain as imported
-    from ckpt_lab.explain import real  # noqa: F401  (the subpackage's modules, as notebooks 07, 07b do)
+    from ckpt_lab.explain import report  # noqa: F401  (a module of the subpackage)
 
     assert ckpt_lab.explain is explain is imported and explain.__module__ == "ckpt_lab.explain"
-    assert sys.modules["ckpt_lab.explain"].zoo is zoo
+    assert sys.modules["ckpt_lab.explain"].report is sys.modules["ckpt_lab.explain.report"]
     # What importlib does when it first imports the subpackage: bind it on the package. Ignored.
     ckpt_lab.explain = sys.modules["ckpt_lab.explain"]
     assert ckpt_lab.explain is explain

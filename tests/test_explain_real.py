@@ -1,4 +1,4 @@
-"""``explain`` on a model people really train (GPT-2 from transformers, ``ckpt_lab.explain.real``):
+"""``explain`` on a model people really train (GPT-2 from transformers, ``ckpt_lab.cases.real``):
 every way to checkpoint it gives the plain step's gradients, and explain's numbers are the
 instruments', to the byte, the peak's ledger included."""
 
@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from ckpt_lab.cases.real import VARIANTS, checkpointed_layers, gpt2, use_checkpoint_function
 from ckpt_lab.explain import explain
 from ckpt_lab.explain.__main__ import main
-from ckpt_lab.explain.real import VARIANTS, checkpointed_layers, gpt2, use_checkpoint_function
 from ckpt_lab.instruments.memory import measure_memory
 from ckpt_lab.instruments.state import assert_no_global_state
 from test_explain import check_ledger
@@ -25,7 +25,7 @@ SMALL = {"n_layer": 2, "n_embd": 64, "n_head": 2, "seq": 32, "batch": 2, "vocab"
 
 def _small(name: str):
     """The variant ``name`` built on the small model (the factories take no sizes)."""
-    from ckpt_lab.explain import real
+    from ckpt_lab.cases import real
 
     original = real.SIZES
     real.SIZES = {**original, **SMALL}
@@ -137,10 +137,10 @@ def test_the_switch_plugs_one_function_per_layer_and_refuses_a_wrong_count() -> 
 
 
 def test_the_command_takes_a_real_models_factory(tmp_path, monkeypatch, capsys) -> None:
-    from ckpt_lab.explain import real
+    from ckpt_lab.cases import real
 
     monkeypatch.setattr(real, "SIZES", {**real.SIZES, **SMALL})
-    main(["ckpt_lab.explain.real:gpt2_ckpt_lab", "--plot", str(tmp_path / "gpt2.png")])
+    main(["ckpt_lab.cases.real:gpt2_ckpt_lab", "--plot", str(tmp_path / "gpt2.png")])
     out = capsys.readouterr().out
     assert "2× checkpoint (ckpt_lab.checkpoint) on transformer.h.*" in out
     assert (tmp_path / "gpt2.png").stat().st_size > 0

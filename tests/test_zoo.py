@@ -1,4 +1,4 @@
-"""The failure zoo (``ckpt_lab.explain.zoo``, notebook 07): every case's symptom and its fix, measured
+"""The failure zoo (``ckpt_lab.cases.zoo``, notebook 07): every case's symptom and its fix, measured
 with the same builders the notebook uses; and every factory runs under ``python -m ckpt_lab.explain``."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ckpt_lab import CheckpointError, checkpoint, measure_memory
-from ckpt_lab.explain import explain, zoo
+from ckpt_lab.cases import zoo
+from ckpt_lab.explain import explain
 from ckpt_lab.explain.__main__ import main
 from ckpt_lab.instruments.state import assert_no_global_state
 from oracle import SAC_ASKS_IN_RECOMPUTE
@@ -192,6 +193,6 @@ def test_the_error_names_the_cause() -> None:
 # ------------------------------------------------------------------------------- command line
 @pytest.mark.parametrize("factory", ["whole_function", "logged_tensors", "counter_shared"])
 def test_factories_run_from_the_command_line(factory: str, tmp_path, capsys) -> None:
-    main([f"ckpt_lab.explain.zoo:{factory}", "--plot", str(tmp_path / "plot.png")])
+    main([f"ckpt_lab.cases.zoo:{factory}", "--plot", str(tmp_path / "plot.png")])
     assert capsys.readouterr().out.startswith("kept after forward: ")
     assert (tmp_path / "plot.png").stat().st_size > 0

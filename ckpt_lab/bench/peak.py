@@ -120,7 +120,7 @@ class _GPT2Block(nn.Module):
 
 
 def gpt2_chain(**sizes: Any) -> Chain:
-    """Notebook 07b's GPT-2 (``ckpt_lab.explain.real.gpt2``) as a chain: its embedding (token and
+    """Notebook 07b's GPT-2 (``ckpt_lab.cases.real.gpt2``) as a chain: its embedding (token and
     position embeddings, dropout), each block, and last its head with the loss (final layer norm,
     ``lm_head``, the model's own causal-LM loss on the tokens as labels).
 
@@ -128,7 +128,7 @@ def gpt2_chain(**sizes: Any) -> Chain:
     difference: the causal mask the model makes every step (a float tensor, batch x 1 x seq x seq)
     is made once here, before the step, so no step counts it.
     """
-    from ckpt_lab.explain.real import gpt2  # transformers: imported only when GPT-2 is wanted
+    from ckpt_lab.cases.real import gpt2  # transformers: imported only when GPT-2 is wanted
 
     model, tokens = gpt2(**sizes)
     t = model.transformer

@@ -49,7 +49,8 @@ NOTE [ The function and the package ]
 calls it, and ``python -m ckpt_lab.explain`` runs ``__main__.py`` here (a plain module of that name,
 imported by ``ckpt_lab`` itself, would run twice under ``-m``). ``import ckpt_lab`` does not import
 this package: the name is resolved on first use (``ckpt_lab/__init__.py``). Import the rest from the
-package: ``from ckpt_lab.explain import Report``; ``from ckpt_lab.explain.examples import stack``.
+package: ``from ckpt_lab.explain import Report``. The models it is shown on live apart, in ``ckpt_lab.cases``
+(``from ckpt_lab.cases.examples import stack``): this package is the instrument only.
 """
 
 from __future__ import annotations

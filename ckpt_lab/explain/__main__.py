@@ -4,7 +4,7 @@ Imports ``MODULE``, calls ``FACTORY()`` for ``(model, inputs)``, ``(model, input
 ``(model, inputs, loss_fn, kwargs)`` (``inputs``: a tensor or a tuple of arguments; ``kwargs``:
 keyword arguments, e.g. ``{"labels": ids}``), explains one training step of the model, prints the
 summary and writes the plot (by default to ``results/explain-FACTORY.png``; ``results/`` is ignored
-by git). Try ``ckpt_lab.explain.examples:transformer_per_layer``.
+by git). Try ``ckpt_lab.cases.examples:transformer_per_layer``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ EXPECTED = "(model, inputs[, loss_fn[, kwargs]])"
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ckpt_lab.explain", description=__doc__.split("\n\n")[1])
-    parser.add_argument("target", help="MODULE:FACTORY, e.g. ckpt_lab.explain.examples:transformer_per_layer")
+    parser.add_argument("target", help="MODULE:FACTORY, e.g. ckpt_lab.cases.examples:transformer_per_layer")
     parser.add_argument("--plot", type=Path, help="the plot's file (default: results/explain-FACTORY.png)")
     parser.add_argument("--table", action="store_true", help="also list every kept storage and the peak's")
     parser.add_argument("--peak", action="store_true", help="also list every storage alive at the peak")

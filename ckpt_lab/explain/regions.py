@@ -76,14 +76,15 @@ class _Context:
 
 
 # Frames in these files are machinery; the caller's line is the first frame outside them. The
-# benchmark's workloads and explain's examples are model code, so they count as the caller's.
+# benchmark's workloads and the examples explain is shown on (ckpt_lab.cases.examples) are model code,
+# so they count as the caller's. (Paths only: explain imports neither.)
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _CKPT_LAB_DIR = str(Path(__file__).resolve().parents[1])
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"]
 _SITE_DIRS = (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
 _MODEL_FILES = (
     str(Path(_CKPT_LAB_DIR) / "bench" / "workloads.py"),
-    str(Path(_CKPT_LAB_DIR) / "explain" / "examples.py"),
+    str(Path(_CKPT_LAB_DIR) / "cases" / "examples.py"),
 )
 # The code of ``explain`` itself (added by the entry point): in backward, a caller's line found
 # only beyond it is the line that called ``explain``, not one that made the storage.

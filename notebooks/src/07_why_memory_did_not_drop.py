@@ -30,8 +30,8 @@
 # | [7](#c7) | DDP: "marked ready twice" | the reentrant checkpoint | the non-reentrant one, or `static_graph=True` (notebook 06) |
 # | [8](#c8) | an error, or silently wrong gradients (which checkpoint does which: §8's prediction) | the recomputation takes another branch (Python's `random`) | draw the choice outside the checkpoint, pass it in |
 #
-# Every case's broken and fixed model lives in one module, `ckpt_lab.explain.zoo`, which the tests
-# (`tests/test_zoo.py`) use too; `python -m ckpt_lab.explain ckpt_lab.explain.zoo:last_stage` explains
+# Every case's broken and fixed model lives in one module, `ckpt_lab.cases.zoo`, which the tests
+# (`tests/test_zoo.py`) use too; `python -m ckpt_lab.explain ckpt_lab.cases.zoo:last_stage` explains
 # any of its factories from a shell. [Notebook 07b](07b_explain_real_model.ipynb) runs `explain` on a
 # real Hugging Face model.
 #
@@ -62,7 +62,7 @@ import torch
 from torch.utils.checkpoint import CheckpointError, DefaultDeviceType
 
 from ckpt_lab import checkpoint, explain, measure_memory
-from ckpt_lab.explain import zoo
+from ckpt_lab.cases import zoo
 from ckpt_lab.helpers.predict import reveal
 from ckpt_lab.helpers.show import show_source
 from ckpt_lab.helpers.viz import save_figure

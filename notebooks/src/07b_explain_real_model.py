@@ -76,8 +76,8 @@ import transformers
 
 import ckpt_lab
 from ckpt_lab.bench.peak import gpt2_chain
+from ckpt_lab.cases.real import checkpointed_layers, gpt2, lm_loss, plan_layers, scope_submodules
 from ckpt_lab.explain import explain
-from ckpt_lab.explain.real import checkpointed_layers, gpt2, lm_loss, plan_layers, scope_submodules
 from ckpt_lab.helpers.predict import reveal
 from ckpt_lab.helpers.viz import save_figure
 from ckpt_lab.instruments.memory import measure_memory
@@ -104,7 +104,7 @@ def step(name, model, ids):
 # %% [markdown]
 # ## 1 · The model, plain
 #
-# `gpt2()` (in `ckpt_lab.explain.real`) builds `GPT2LMHeadModel` from a `GPT2Config`, seeded, in
+# `gpt2()` (in `ckpt_lab.cases.real`) builds `GPT2LMHeadModel` from a `GPT2Config`, seeded, in
 # training mode. Two choices are spelled out: *eager* attention (softmax, dropout and the matmuls
 # as separate ops, which `explain` can name; SDPA, PyTorch's fused
 # `scaled_dot_product_attention`, would run them as one) and a vocabulary of 512 tokens. The
@@ -212,7 +212,7 @@ reveal(guess, round(switch.peak_bytes / MiB, 1), "peak in MiB", rel_tol=0.1)
 # The switch takes no other function, but the attribute it sets is the plug (§2): anything called like
 # torch's checkpoint can sit there. `ckpt_lab.checkpoint` is (it accepts `use_reentrant=False`).
 # Switch on, then replace the function, block by block; the switch's other work stays (which
-# blocks, `use_cache` off). `ckpt_lab.explain.real.use_checkpoint_function(model, fn)` is these lines.
+# blocks, `use_cache` off). `ckpt_lab.cases.real.use_checkpoint_function(model, fn)` is these lines.
 
 # %%
 model, ids = gpt2()
@@ -456,6 +456,6 @@ assert all(same.values())
 #   (`gpt2_chain`).
 #
 # From a shell, the same report and plot for any of these:
-# `python -m ckpt_lab.explain ckpt_lab.explain.real:gpt2_ckpt_lab --plot gpt2.png`
+# `python -m ckpt_lab.explain ckpt_lab.cases.real:gpt2_ckpt_lab --plot gpt2.png`
 # (factories: `gpt2_plain`, `gpt2_transformers`, `gpt2_ckpt_lab`, `gpt2_scope_mlp`,
 # `gpt2_scope_attn`, `gpt2_planned`).

@@ -1,7 +1,7 @@
 """A model people really train, explained: GPT-2 from Hugging Face ``transformers``, small, built
 from a config (no download), and the ways to checkpoint it, ours included.
 
-``python -m ckpt_lab.explain ckpt_lab.explain.real:FACTORY`` with FACTORY one of ``VARIANTS``:
+``python -m ckpt_lab.explain ckpt_lab.cases.real:FACTORY`` with FACTORY one of ``VARIANTS``:
 
 * ``gpt2_plain``: no checkpointing;
 * ``gpt2_transformers``: the library's own switch, ``model.activation_checkpointing_enable()``

@@ -1,4 +1,4 @@
-"""Models to explain: ``python -m ckpt_lab.explain ckpt_lab.explain.examples:FACTORY``.
+"""Models to explain: ``python -m ckpt_lab.explain ckpt_lab.cases.examples:FACTORY``.
 
 Every factory returns ``(model, inputs)`` or ``(model, inputs, loss_fn)``, the form the command
 takes. ``Stack`` runs the benchmark's workloads (``ckpt_lab.bench.workloads``) with any strategy of

@@ -1,7 +1,7 @@
 """The failure zoo of notebook 07, "Why didn't my memory drop?": each case broken, then fixed.
 
 Every case is a minimal CPU model. Factories return ``(model, inputs)`` or ``(model, inputs, loss_fn)``,
-so ``python -m ckpt_lab.explain ckpt_lab.explain.zoo:FACTORY`` explains any of them; the other
+so ``python -m ckpt_lab.explain ckpt_lab.cases.zoo:FACTORY`` explains any of them; the other
 functions run one training step and return the number the notebook and ``tests/test_zoo.py`` assert.
 
 1. **Whole function, or only its last stage**, checkpointed: ``whole_function``, ``last_stage``;
