@@ -173,8 +173,8 @@ def with_remat(h, body=remat_block):
 # %% [markdown]
 # Without `recompute_needs_tensor`, the re-run's residual add would read the skipped region's
 # placeholder, whose storage raises on any read. Making that placeholder needs a private torch name
-# (`torch._C._set_storage_data_ptr_access_error_msg`, CUDA graphs' own) that torch's CPU builds
-# lack (2.15's CUDA build has it), so here the re-run stops earlier, with an `AttributeError` from
+# (`torch._C._set_storage_data_ptr_access_error_msg`, CUDA graphs' own) that torch 2.13's CPU
+# build lacks (2.15's CUDA build has it), so here the re-run stops earlier, with an `AttributeError` from
 # inside backward:
 
 # %%
