@@ -35,12 +35,11 @@ differs from ``if_missing``, the entry says so: that is work to do, not a promis
 
 from __future__ import annotations
 
-import importlib
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_lab.errors import CHECKED_ON, missing_error
+from ckpt_lab.errors import CHECKED_ON, lookup, missing_error
 
 __all__ = ["CHECKED_ON", "PRIVATE_API", "PrivateUse", "missing", "missing_error", "optional", "resolve"]
 
@@ -429,15 +428,7 @@ def resolve(path: str) -> Any:
         return getattr(_sample(owner), attr)
     if "." not in path:
         return _torch_reads(path)
-    parts = path.split(".")
-    obj = importlib.import_module(parts[0])
-    for i, part in enumerate(parts[1:], start=1):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            # A submodule not imported yet.
-            obj = importlib.import_module(".".join(parts[: i + 1]))
-    return obj
+    return lookup(path)
 
 
 def _torch_reads(attr: str) -> str:
@@ -456,7 +447,8 @@ def _torch_reads(attr: str) -> str:
 
 def optional(path: str) -> Any:
     """The object ``path`` names on the running torch, or None where it lacks it: for a use whose entry
-    says ``fallback``, so that the module can take its fallback."""
+    says ``fallback``, so that the module can take its fallback. For a dotted path from ``torch`` this is
+    ``ckpt_lab.errors.optional``, the lookup every module uses; here also the ``Class()._attr`` forms."""
     try:
         return resolve(path)
     except (ImportError, AttributeError):
