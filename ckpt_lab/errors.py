@@ -22,7 +22,7 @@ import torch.utils.checkpoint as _torch_checkpoint
 __all__ = ["CHECKED_ON", "CheckpointError", "lookup", "missing_error", "optional"]
 
 # The torch releases the package was checked on (ckpt_lab/torch_private.py: NOTE [ Private torch API ]).
-CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
+CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 
 
 class CheckpointError(_torch_checkpoint.CheckpointError):

@@ -17,8 +17,8 @@ overrides or sets one that torch reads (``_should_skip_dynamo``, ``_boxed_call``
 name starts with an underscore (``torch.ops.aten._to_copy``) are listed too: they are part of the
 operator set, stable, but not promised.
 
-Checked on: torch 2.11.0 (Python 3.12), 2.13.0 (the pinned one) and 2.14.1 (Python 3.11), by this
-list's test in ``make compat`` runs: every name below exists on each (``CHECKED_ON``), and the
+Checked on: torch 2.11.0 (Python 3.12), 2.13.0 (the pinned one), 2.14.1 and 2.15.0 (Python 3.11), by
+this list's test in ``make compat`` runs: every name below exists on each (``CHECKED_ON``), and the
 signatures the package calls (``_unsafe_set_version_counter`` takes sequences, the pack hooks are
 code constants of ``__init__``) are the same. ``absent_on`` names the checked releases an entry is
 missing from.
