@@ -235,8 +235,9 @@ assert all(row[0] for row in table.values())
 #   outputs, not what autograd saves: the copies and scaled copies too); the scope and
 #   `torch_remat` keep what the attention's own backward saves. The scope keeps the attention's
 #   output as the scope's input; `torch_remat` persists it for the re-run (`recompute_needs_tensor`).
-# * **Re-runs**: ours re-runs more ops than torch's SAC (views and random ops, whatever the policy);
-#   the scope replays only what its saved tensors need, never the attention.
+# * **Re-runs**: ours re-runs more ops than torch's SAC: the attention's views, which the policy
+#   names and ours runs again whatever it says (notebook 05 §2.2); the scope replays only what its
+#   saved tensors need, never the attention.
 
 # %%
 kept = {name: row[1] for name, row in table.items()}
