@@ -23,6 +23,12 @@ signatures the package calls (``_unsafe_set_version_counter`` takes sequences, t
 code constants of ``__init__``) are the same. ``absent_on`` names the checked releases an entry is
 missing from.
 
+How a module looks a name up: one way, ``ckpt_lab.errors.optional("torch._C._name")`` (the object, or
+None where this torch lacks it), at import or at the call as the use needs, then its fallback or
+``missing_error``. It lives in errors.py, which every stage module imports already, so a copied stage
+carries it. (``ckpt_lab/scope.py`` and ``scope_core.py`` still use ``getattr(..., None)``, the same
+lookup spelled out.)
+
 ``if_missing`` says what the package does on a torch without it: ``fallback`` (it works on,
 gradients exact, perhaps slower or with less to report), or ``error`` (the feature that needs it
 fails with ``ckpt_lab.errors.missing_error``: which feature, which private name, which torch).
