@@ -9,11 +9,9 @@ not import that one, which ``python -m ckpt_lab.torch_private`` runs as a script
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
-from ckpt_lab.errors import missing_error
+from ckpt_lab.errors import missing_error, optional
 
 NEEDED_AT_IMPORT = (
     "torch.utils._python_dispatch.TorchDispatchMode",
@@ -36,17 +34,7 @@ def _present(path: str) -> bool:
         owner, attr = path.split("().")
         sample = torch.zeros(1) if owner == "torch.Tensor" else torch.ops.aten.add.Tensor
         return hasattr(sample, attr)
-    parts = path.split(".")
-    obj = importlib.import_module(parts[0])
-    for i, part in enumerate(parts[1:], start=1):
-        if not hasattr(obj, part):
-            try:
-                obj = importlib.import_module(".".join(parts[: i + 1]))  # a submodule not imported yet
-                continue
-            except ImportError:
-                return False
-        obj = getattr(obj, part)
-    return True
+    return optional(path) is not None
 
 
 def check() -> None:

@@ -36,22 +36,17 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ckpt_lab.errors import missing_error
+from ckpt_lab.errors import missing_error, optional
 
 # torch's private API (ckpt_lab/torch_private.py lists each use). The base class of every BatchNorm;
 # on a torch without it, the public ones (a subclass of _BatchNorm of one's own is then missed).
-try:
-    from torch.nn.modules.batchnorm import _BatchNorm
-
-    _BATCH_NORMS: tuple[type, ...] = (_BatchNorm,)
-except ImportError:
-    _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-    _BATCH_NORMS += (nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
+_BatchNorm = optional("torch.nn.modules.batchnorm._BatchNorm")
+_BATCH_NORMS: tuple[type, ...] = (_BatchNorm,) if _BatchNorm is not None else (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+    nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d,
+)
 # Needed: on a torch without it, skip_stats_update_in_recompute raises, naming it.
-try:
-    from torch.utils._python_dispatch import _disable_current_modes
-except ImportError:
-    _disable_current_modes = None
+_disable_current_modes = optional("torch.utils._python_dispatch._disable_current_modes")
 
 __all__ = ["StatsHooks", "in_backward", "skip_stats_update_in_recompute"]
 

@@ -73,7 +73,7 @@ from typing import Any
 import torch
 
 from ckpt_lab._eager import run_eagerly
-from ckpt_lab.torch_private import missing_error, optional
+from ckpt_lab.errors import missing_error, optional
 
 __all__ = [
     "BACKEND",

@@ -8,18 +8,21 @@ the drop-in swap; both are ``RuntimeError``s.
 
 ``missing_error`` is the other error every stage may raise: a feature that needs one of torch's private
 names (``ckpt_lab/torch_private.py`` lists each use) on a torch that lacks it. Here too, so that a copied
-stage carries it.
+stage carries it, with ``optional``: the one way the package looks a private torch name up.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
-__all__ = ["CHECKED_ON", "CheckpointError", "missing_error"]
+__all__ = ["CHECKED_ON", "CheckpointError", "lookup", "missing_error", "optional"]
 
 # The torch releases the package was checked on (ckpt_lab/torch_private.py: NOTE [ Private torch API ]).
-CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
+CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 
 
 class CheckpointError(_torch_checkpoint.CheckpointError):
@@ -35,3 +38,28 @@ def missing_error(path: str, feature: str) -> RuntimeError:
         f"checked on torch {', '.join(CHECKED_ON)}: use one of those, or see NOTE [ Private torch API ] "
         "in ckpt_lab/torch_private.py for what each private name is for."
     )
+
+
+def lookup(path: str) -> Any:
+    """The object the dotted ``path`` from ``torch`` names on the running torch
+    (``"torch._C._current_graph_task_id"``), importing submodules on the way; ImportError or
+    AttributeError where this torch lacks it."""
+    parts = path.split(".")
+    obj = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            # A submodule not imported yet (or, if this fails too, a name this torch lacks).
+            obj = importlib.import_module(".".join(parts[: i + 1]))
+    return obj
+
+
+def optional(path: str) -> Any:
+    """``lookup(path)``, or None where this torch lacks it: how every module of the package looks up a
+    private torch name (NOTE [ Private torch API ] in ckpt_lab/torch_private.py). The caller decides
+    what None means: its fallback, or ``missing_error`` when the feature is used."""
+    try:
+        return lookup(path)
+    except (ImportError, AttributeError):
+        return None

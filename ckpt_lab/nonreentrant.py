@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckpt_lab._eager import run_eagerly
-from ckpt_lab.errors import CheckpointError, missing_error
+from ckpt_lab.errors import CheckpointError, missing_error, optional
 from ckpt_lab.rng import ReplayState
 from ckpt_lab.state_guard import STATE_CHECKS, StateGuard, recomputing
 
@@ -530,12 +530,9 @@ def recompute(frame: Frame, task: int) -> None:
 # ============================================================================================
 # torch's private API this checkpoint can't do without (ckpt_lab/torch_private.py lists each use):
 # on a torch without it, a clear error now, at import, rather than an AttributeError inside backward.
-if not hasattr(torch._C, "_current_graph_task_id"):
-    raise missing_error("torch._C._current_graph_task_id", "ckpt_lab.checkpoint (non-reentrant)")
-if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):
-    raise missing_error(
-        "torch._C._autograd._top_saved_tensors_default_hooks", "ckpt_lab.checkpoint (non-reentrant)"
-    )
+for _path in ("torch._C._current_graph_task_id", "torch._C._autograd._top_saved_tensors_default_hooks"):
+    if optional(_path) is None:
+        raise missing_error(_path, "ckpt_lab.checkpoint (non-reentrant)")
 
 # None: each call's keyword decides; True/False: the context managers below override it.
 _early_stop_override: bool | None = None
@@ -735,10 +732,9 @@ def _device_context() -> contextlib.AbstractContextManager:
     A CUDA backward runs on autograd's device thread, where the caller's ``torch.device`` block is not
     active: without this, ``torch.empty(4)`` in the re-run would land on the CPU.
     """
-    try:
-        from torch.overrides import _get_current_function_mode_stack
-        from torch.utils._device import DeviceContext
-    except ImportError:
+    _get_current_function_mode_stack = optional("torch.overrides._get_current_function_mode_stack")
+    DeviceContext = optional("torch.utils._device.DeviceContext")
+    if _get_current_function_mode_stack is None or DeviceContext is None:
         # A torch without them: no device block is re-entered. A factory call without a device then
         # makes the re-run differ, which the determinism check reports (torch's checkpoint does the same).
         return contextlib.nullcontext()

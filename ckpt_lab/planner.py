@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
 from ckpt_lab._aten import new_storages, op_info, storage_key, storage_keys, storage_of, storages, tensors_in
-from ckpt_lab.errors import CheckpointError
+from ckpt_lab.errors import CheckpointError, optional
 
 # The cost model lives with the instruments (the benchmark counts with it too); importable from here.
 from ckpt_lab.instruments.flops import CostCounter, matmul_flops, op_cost
@@ -332,9 +332,10 @@ class _UndoWrites(TorchDispatchMode):
         # Views share one counter: put the earliest version noted back last. On a torch without
         # _unsafe_set_version_counter the counters stay moved: a graph that saved such a tensor before
         # profiling then raises autograd's in-place error in backward (loud, never wrong).
-        if hasattr(torch._C._autograd, "_unsafe_set_version_counter"):
+        set_version = optional("torch._C._autograd._unsafe_set_version_counter")
+        if set_version is not None:
             for tensor, version in reversed(self.versions.values()):
-                torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
+                set_version((tensor,), (version,))
         return result
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ckpt_lab._eager import run_eagerly
-from ckpt_lab.errors import CheckpointError, missing_error
+from ckpt_lab.errors import CheckpointError, missing_error, optional
 from ckpt_lab.rng import ReplayState
 from ckpt_lab.state_guard import recomputing
 
@@ -205,7 +205,7 @@ def _is_checkpoint_valid() -> bool:
     """``torch.autograd._is_checkpoint_valid()``, torch's own answer (its reentrant checkpoint asks it
     too); on a torch without it, a clear error: skipping the check could write ``.grad`` where
     ``torch.autograd.grad()`` must not."""
-    valid = getattr(torch.autograd, "_is_checkpoint_valid", None)
+    valid = optional("torch.autograd._is_checkpoint_valid")
     if valid is None:
         raise missing_error(
             "torch.autograd._is_checkpoint_valid", "reentrant_checkpoint's check against autograd.grad()"

@@ -54,7 +54,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
 from ckpt_lab._aten import is_view, tensors_in
 from ckpt_lab._eager import run_eagerly
-from ckpt_lab.errors import CheckpointError, missing_error
+from ckpt_lab.errors import CheckpointError, missing_error, optional
 from ckpt_lab.nonreentrant import _user_line, check_use_reentrant, checkpoint, user_saved_tensors_hooks
 
 __all__ = [
@@ -383,11 +383,8 @@ def _check_torch() -> None:
     """``_alias`` re-enables ADInplaceOrView through torch's private guard: without it an in-place
     change of a cached output would go unseen, so on a torch that lacks either name, selective
     checkpointing refuses to start, naming it."""
-    for path, found in (
-        ("torch._C._SetExcludeDispatchKeyGuard", hasattr(torch._C, "_SetExcludeDispatchKeyGuard")),
-        ("torch._C.DispatchKey.ADInplaceOrView", hasattr(torch._C.DispatchKey, "ADInplaceOrView")),
-    ):
-        if not found:
+    for path in ("torch._C._SetExcludeDispatchKeyGuard", "torch._C.DispatchKey.ADInplaceOrView"):
+        if optional(path) is None:
             raise missing_error(path, "selective_checkpoint")
 
 
@@ -423,7 +420,7 @@ def _checked_ops(ops: Sequence[Any]) -> list[torch._ops.OpOverload]:
             f"{op} of type {type(op)}."
         )
         # (On a torch without OpOverloadPacket a packet gets the general message below.)
-        if isinstance(op, getattr(torch._ops, "OpOverloadPacket", ())):
+        if isinstance(op, optional("torch._ops.OpOverloadPacket") or ()):
             raise OpListError(
                 f"{expected} Please update the OpOverloadPacket to a specific OpOverload. {op} names a "
                 "family of overloads; name one overload, e.g. "

@@ -33,7 +33,16 @@ from ckpt_lab.scope import gradient_checkpoint_scope
 from ckpt_lab.selective import selective_checkpoint
 from ckpt_lab.sequential import checkpoint_sequential
 
-__all__ = ["REGISTRY", "PlannerRange", "Strategy", "by_label", "planner_range", "sqrt_segments", "strategies"]
+__all__ = [
+    "FLOOR",
+    "REGISTRY",
+    "PlannerRange",
+    "Strategy",
+    "by_label",
+    "planner_range",
+    "sqrt_segments",
+    "strategies",
+]
 
 BlockRun = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 StackRun = Callable[[Sequence[nn.Module], torch.Tensor], torch.Tensor]
@@ -220,9 +229,113 @@ def _returnn() -> Strategy | None:
     return _per_block("returnn-scope", label, _scoped(returnn_scope), isolated=True)
 
 
+# ------------------------------------------------------------------------- torch_remat (a peer)
+# Meta's torch_remat (notebook 05b): torch's non-reentrant checkpoint with a context_fn whose contexts
+# only set a context variable, and regions of code (``remat.region(fn, name, recompute=False)``)
+# whose saved tensors it keeps. Benchmark-only strategies, like RETURNN's: not in REGISTRY (whose
+# strategies the notebooks' figures and the Pareto sweep run).
+
+
+class _RNGStates:
+    """A torch_remat ``RecomputeStateHook`` for the CPU generator and every initialised CUDA device's:
+    torch_remat refuses ``preserve_rng_state=True`` and realigns through such hooks instead, at the
+    checkpoint's entry and after each kept region (whose draws the re-run skips)."""
+
+    def snapshot(self) -> Any:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        return torch.get_rng_state(), cuda
+
+    def restore(self, state: Any) -> None:
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+_RNG_HOOKS = (_RNGStates(),)
+# The submodules a region policy keeps: those that run matmuls (the region counterpart of "save the
+# matmuls"). MultiheadAttention calls its out_proj's weights functionally, so it is kept whole.
+_KEPT_MODULES = (nn.Linear, nn.MultiheadAttention)
+
+
+def _remat_plain(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    import torch_remat as remat
+
+    return remat.checkpoint(region_name="block", recompute_state_hooks=_RNG_HOOKS)(block)(x)
+
+
+def _kept_call(module: nn.Module, name: str) -> Callable[..., Any]:
+    """``module.forward`` as a kept region whose tensor outputs are persisted for the re-run (a bare
+    op, the next activation or residual add, reads them there)."""
+    import torch_remat as remat
+
+    call = remat.region(module.forward, name, recompute=False)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        out = call(*args, **kwargs)
+        outputs = out if isinstance(out, tuple) else (out,)
+        remat.recompute_needs_tensor(*[t for t in outputs if t is not None])
+        return out
+
+    return forward
+
+
+def _remat_regions(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    import torch_remat as remat
+
+    kept = [(m, _kept_call(m, name)) for name, m in block.named_modules() if isinstance(m, _KEPT_MODULES)]
+    # Kept only inside an inner MultiheadAttention (whose Linear is never called as a module) or not.
+    kept = [(m, f) for m, f in kept if not any(o is not m and m in o.modules() for o, _ in kept)]
+
+    def body(h: torch.Tensor) -> torch.Tensor:
+        # The instances' forward is swapped for the body's two runs (forward and re-run) only.
+        for module, forward in kept:
+            module.forward = forward
+        try:
+            return block(h)
+        finally:
+            for module, _ in kept:
+                del module.forward
+
+    return remat.checkpoint(region_name="block", recompute_state_hooks=_RNG_HOOKS)(body)(x)
+
+
+def _remat() -> list[Strategy]:
+    """torch_remat's plain checkpoint and one region policy, if ``torch_remat`` is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch_remat") is None:
+        return []
+    return [
+        _per_block(
+            "remat-checkpoint", "torch_remat.checkpoint", _remat_plain, reference="torch-nonreentrant"
+        ),
+        _per_block(
+            "remat-region-matmul",
+            "torch_remat, Linear and attention calls kept",
+            _remat_regions,
+            reference="torch-sac-matmul",
+        ),
+    ]
+
+
+# ------------------------------------------------------------------------------------------ the floor
+def _empty_mode_around(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from ckpt_lab.bench.floor import EmptyMode
+
+    with EmptyMode():
+        return torch_ckpt.checkpoint(block, x, use_reentrant=False)
+
+
+# torch's non-reentrant checkpoint with an empty dispatch mode around each block's forward: what any
+# scope that records in a Python dispatch mode pays before it does anything (ckpt_lab.bench.floor).
+FLOOR = _per_block("floor-empty-mode", "torch non-reentrant + empty dispatch mode", _empty_mode_around)
+
+
 def strategies(include_returnn: bool = True, only: list[str] | None = None) -> list[Strategy]:
-    """Every strategy available in this environment ("none" first), or "none" and those in ``only``."""
-    found = list(REGISTRY.values())
+    """Every strategy available in this environment ("none" first), or "none" and those in ``only``:
+    the registry's, the floor, torch_remat's (if installed) and RETURNN's (if installed and asked)."""
+    found = [*REGISTRY.values(), FLOOR, *_remat()]
     returnn = _returnn() if include_returnn else None
     if returnn is not None:
         found.append(returnn)

@@ -17,11 +17,18 @@ overrides or sets one that torch reads (``_should_skip_dynamo``, ``_boxed_call``
 name starts with an underscore (``torch.ops.aten._to_copy``) are listed too: they are part of the
 operator set, stable, but not promised.
 
-Checked on: torch 2.11.0 (Python 3.12), 2.13.0 (the pinned one) and 2.14.1 (Python 3.11), by this
-list's test in ``make compat`` runs: every name below exists on each (``CHECKED_ON``), and the
+Checked on: torch 2.11.0 (Python 3.12), 2.13.0 (the pinned one), 2.14.1 and 2.15.0 (Python 3.11), by
+this list's test in ``make compat`` runs: every name below exists on each (``CHECKED_ON``), and the
 signatures the package calls (``_unsafe_set_version_counter`` takes sequences, the pack hooks are
 code constants of ``__init__``) are the same. ``absent_on`` names the checked releases an entry is
 missing from.
+
+How a module looks a name up: one way, ``ckpt_lab.errors.optional("torch._C._name")`` (the object, or
+None where this torch lacks it), at import or at the call as the use needs, then its fallback or
+``missing_error``. It lives in errors.py, which every stage module imports already, so a copied stage
+carries it. (Not yet in ``ckpt_lab/scope.py``, which spells the same lookup out as ``getattr(...,
+None)``, nor in ``scope_core.py``, whose ``from ... import`` fails at import by design: no fallbacks
+in the core.)
 
 ``if_missing`` says what the package does on a torch without it: ``fallback`` (it works on,
 gradients exact, perhaps slower or with less to report), or ``error`` (the feature that needs it
@@ -35,12 +42,11 @@ differs from ``if_missing``, the entry says so: that is work to do, not a promis
 
 from __future__ import annotations
 
-import importlib
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_lab.errors import CHECKED_ON, missing_error
+from ckpt_lab.errors import CHECKED_ON, lookup, missing_error
 
 __all__ = ["CHECKED_ON", "PRIVATE_API", "PrivateUse", "missing", "missing_error", "optional", "resolve"]
 
@@ -447,15 +453,7 @@ def resolve(path: str) -> Any:
         return getattr(_sample(owner), attr)
     if "." not in path:
         return _torch_reads(path)
-    parts = path.split(".")
-    obj = importlib.import_module(parts[0])
-    for i, part in enumerate(parts[1:], start=1):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            # A submodule not imported yet.
-            obj = importlib.import_module(".".join(parts[: i + 1]))
-    return obj
+    return lookup(path)
 
 
 def _torch_reads(attr: str) -> str:
@@ -474,7 +472,8 @@ def _torch_reads(attr: str) -> str:
 
 def optional(path: str) -> Any:
     """The object ``path`` names on the running torch, or None where it lacks it: for a use whose entry
-    says ``fallback``, so that the module can take its fallback."""
+    says ``fallback``, so that the module can take its fallback. For a dotted path from ``torch`` this is
+    ``ckpt_lab.errors.optional``, the lookup every module uses; here also the ``Class()._attr`` forms."""
     try:
         return resolve(path)
     except (ImportError, AttributeError):

@@ -18,6 +18,8 @@ from ckpt_lab.instruments.flops import CostCounter, matmul_flops
 from ckpt_lab.instruments.state import assert_no_global_state, changes, global_state
 
 PLANNED = ("ckpt-plan-25", "ckpt-plan-50")
+# torch_remat (pinned in requirements.txt): its plain checkpoint and its region policy.
+REMAT = ("remat-checkpoint", "remat-region-matmul")
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +96,8 @@ def test_report_structure(quick_run):
     names = set(report["meta"]["strategies"])
     assert {"none", "torch-reentrant", "torch-nonreentrant", "torch-sequential-sqrt", "torch-sac-matmul",
             "ckpt-reentrant", "ckpt-nonreentrant", "ckpt-sequential-sqrt", "ckpt-sac-matmul", *PLANNED,
-            "ckpt-scope"} <= names
-    assert len(names) == 12
+            "ckpt-scope", "floor-empty-mode", *REMAT} <= names
+    assert len(names) == 15
     workloads = {r["workload"] for r in report["results"]}
     assert {"mlp-4", "mlp-8", "transformer-2", "pointwise-8", "chain-16"} == workloads
     assert len(report["results"]) == len(workloads) * len(names)
@@ -214,3 +216,32 @@ def test_the_floor_command_times_its_three_ways_against_torchs_checkpoint(capsys
     assert ratios["torch-nr"] == 1.0 and all(r > 0 for r in ratios.values())
     floor.main(["--rounds", "1", "--depth", "2"])
     assert "scope" in capsys.readouterr().out
+
+
+def test_torch_remat_runs_beside_torchs_checkpoints_with_their_bytes(quick_run):
+    # Its plain checkpoint keeps what torch's non-reentrant checkpoint keeps (both keep each block's
+    # input); its region policy keeps more than that wherever a block has a Linear or an attention to
+    # keep, and nothing more on the pointwise chains (no region to keep); gradients are checked above.
+    _, report, _ = quick_run
+    by = {(r["workload"], r["strategy"]): r for r in report["results"]}
+    for workload in {r["workload"] for r in report["results"]}:
+        torch_nr = by[workload, "torch-nonreentrant"]
+        plain, regions = by[workload, "remat-checkpoint"], by[workload, "remat-region-matmul"]
+        assert plain["retained_bytes"] == torch_nr["retained_bytes"], workload
+        assert plain["time_vs_reference"] > 0 and regions["time_vs_reference"] > 0
+        if workload.startswith(("mlp", "transformer")):
+            assert regions["retained_bytes"] > plain["retained_bytes"], workload
+            # The kept regions' matmuls do not run again: fewer FLOPs than the plain checkpoint.
+            assert regions["flops"] < plain["flops"], workload
+        else:
+            assert regions["retained_bytes"] == plain["retained_bytes"], workload
+
+
+def test_the_scope_is_given_as_floor_plus_x_on_every_workload(quick_run):
+    _, report, _ = quick_run
+    assert {line["workload"] for line in report["floor"]} == {r["workload"] for r in report["results"]}
+    by = {(r["workload"], r["strategy"]): r for r in report["results"]}
+    for line in report["floor"]:
+        floor = by[line["workload"], "floor-empty-mode"]["time_vs_torch_nonreentrant"]
+        assert line["floor"] == floor > 0
+        assert line["x"] == pytest.approx(line["scope"] - line["floor"])

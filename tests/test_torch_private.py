@@ -259,7 +259,7 @@ def test_optional_and_missing_error_name_the_feature_and_the_torch() -> None:
     assert isinstance(error, RuntimeError)
     assert str(error).startswith(
         f"gradient_checkpoint_scope needs torch's private torch._C._no_such_private_name, which torch "
-        f"{torch.__version__} lacks. ckpt_lab was checked on torch 2.11.0, 2.13.0, 2.14.1"
+        f"{torch.__version__} lacks. ckpt_lab was checked on torch 2.11.0, 2.13.0, 2.14.1, 2.15.0:"
     )
 
 

@@ -119,6 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     if args.compile:
         report["compiled"] = _compiled(args.quick, args.device)
+    if report.get("floor"):
+        # The scope's cost as floor + x (per-round ratios to torch's non-reentrant checkpoint).
+        print("\nthe scope against its floor (torch non-reentrant + an empty dispatch mode), in time")
+        print("per round of torch's non-reentrant checkpoint (medians):")
+        for line in report["floor"]:
+            print(
+                f"  {line['workload']:15} floor {line['floor']:.2f}x, scope {line['scope']:.2f}x "
+                f"= floor + {line['x']:+.2f}"
+            )
     print()
     for check in report["targets"]:
         verdict = "PASS" if check["ok"] else "MISS"

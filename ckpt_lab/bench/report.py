@@ -102,7 +102,7 @@ def plot(results: list[Result], images: Path) -> list[Path]:
             deepest[r.family] = r.depth
     names = list(dict.fromkeys(r.strategy for r in results))
     colors = {name: plt.cm.tab10(i % 10) for i, name in enumerate(names)}
-    markers = {"none": "*", "torch": "s", "ckpt": "o", "returnn": "^"}
+    markers = {"none": "*", "torch": "s", "ckpt": "o", "returnn": "^", "remat": "D", "floor": "x"}
     fig, axes = plt.subplots(1, len(deepest), figsize=(4.5 * len(deepest), 4), squeeze=False)
     for ax, (family, depth) in zip(axes[0], sorted(deepest.items()), strict=True):
         rows = [r for r in results if r.family == family and r.depth == depth and r.retained_bytes]

@@ -23,6 +23,7 @@ from torch._C._autograd import _top_saved_tensors_default_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ckpt_lab.errors import optional
 from ckpt_lab.instruments import LiveMemory, global_state
 from ckpt_lab.instruments.state import UNKNOWN, changes
 
@@ -265,17 +266,15 @@ def restore_state(before: dict[str, Any]) -> str | None:
     torch.set_grad_enabled(before["grad_enabled"])
     now, not_undone = global_state(), []
     if before["saved_tensors_hooks_on_stack"] is False and now["saved_tensors_hooks_on_stack"] is True:
-        pop = getattr(torch._C._autograd, "_pop_saved_tensors_default_hooks", None)
+        pop = optional("torch._C._autograd._pop_saved_tensors_default_hooks")
         if pop is None:
             not_undone.append("saved-tensor hooks")
         while pop is not None and _top_saved_tensors_default_hooks(False) is not None:
             pop()
     modes, left = before["dispatch_modes"], now["dispatch_modes"]
     if UNKNOWN not in (modes, left) and left > modes:
-        try:
-            from torch.utils._python_dispatch import _pop_mode
-        except ImportError:
-            _pop_mode = None
+        _pop_mode = optional("torch.utils._python_dispatch._pop_mode")
+        if _pop_mode is None:
             not_undone.append(f"{left - modes} dispatch mode(s)")
         for _ in range(left - modes if _pop_mode is not None else 0):
             _pop_mode()

@@ -31,6 +31,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from ckpt_lab import reentrant, selective
 from ckpt_lab import scope as scope_module
+from ckpt_lab.errors import optional
 from ckpt_lab.scope import _recomputes_region
 
 
@@ -95,7 +96,7 @@ ENTRY_CODES: set[Any] = set()
 _SELECTIVE_FORWARD = {
     inspect.unwrap(mode.__torch_dispatch__).__code__
     # torch's (private: on a torch without it, torch's selective regions show as plain checkpoints)
-    for mode in (getattr(torch_checkpoint, "_CachingTorchDispatchMode", None), selective._SaveMode)
+    for mode in (optional("torch.utils.checkpoint._CachingTorchDispatchMode"), selective._SaveMode)
     if mode is not None
 }
 _REENTRANT_FORWARD = {
@@ -259,12 +260,12 @@ class _Regions:
 # backward the engine restores the stack after every node anyway, and there we need no regions.
 # torch's private API (ckpt_lab/torch_private.py): on a torch without one of these names, the stack
 # reads as empty, and what hooks-based regions made shows as made outside any (never as another's).
-_pop_saved_tensors_default_hooks = getattr(torch._C._autograd, "_pop_saved_tensors_default_hooks", None)
-_push_saved_tensors_default_hooks = getattr(torch._C._autograd, "_push_saved_tensors_default_hooks", None)
-_saved_tensors_hooks_is_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
-_top_saved_tensors_default_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_pop_saved_tensors_default_hooks = optional("torch._C._autograd._pop_saved_tensors_default_hooks")
+_push_saved_tensors_default_hooks = optional("torch._C._autograd._push_saved_tensors_default_hooks")
+_saved_tensors_hooks_is_enabled = optional("torch._C._autograd._saved_tensors_hooks_is_enabled")
+_top_saved_tensors_default_hooks = optional("torch._C._autograd._top_saved_tensors_default_hooks")
 # The autograd node a backward op runs for (its name is shown; empty on a torch without it).
-_current_autograd_node = getattr(torch._C, "_current_autograd_node", None)
+_current_autograd_node = optional("torch._C._current_autograd_node")
 
 
 def _hooks_stack() -> list[tuple[Any, Any]]:

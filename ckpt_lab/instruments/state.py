@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from ckpt_lab.errors import optional
+
 __all__ = ["CLEAN", "UNKNOWN", "assert_no_global_state", "changes", "global_state"]
 
 # What a reading says where this torch lacks the private name that would tell (ckpt_lab/torch_private.py):
@@ -31,8 +33,8 @@ def _method_names() -> tuple[str, str]:
 def global_state() -> dict[str, Any]:
     """This thread's saved-tensor hooks, dispatch modes and grad mode, the hooks' methods, and what
     ``gradient_checkpoint_scope`` still holds."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    top = optional("torch._C._autograd._top_saved_tensors_default_hooks")
+    modes = optional("torch._C._len_torch_dispatch_stack")
     state = {
         # False: the real stack, as a user's next ``saved_tensors_hooks`` will find it.
         "saved_tensors_hooks_on_stack": UNKNOWN if top is None else top(False) is not None,
