@@ -51,6 +51,7 @@ from ckpt_lab.rng import (
     capture_every_device,
     with_initialised_inside,
 )
+from ckpt_lab.state_guard import recomputing
 
 __all__ = [
     "gradient_checkpoint_scope",
@@ -910,7 +911,9 @@ class _Replayer:
         if rng is not None:
             callers.append(RNGState.capture(d for d, _ in rng.devices))
         try:
-            with torch._C._AutoDispatchBelowAutograd(), _autocast_off(self.state):
+            # is_recomputing() is True for Python that runs inside the replay (another mode's
+            # __torch_dispatch__, a hook): the same answer our checkpoints give in their re-runs.
+            with torch._C._AutoDispatchBelowAutograd(), _autocast_off(self.state), recomputing():
                 if rng is not None:
                     rng.restore()
                 _run_plan(self, plan, values, grad, let_go)

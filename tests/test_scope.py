@@ -767,3 +767,27 @@ def test_recomputes_region_recognises_checkpoints_by_their_pack_hooks() -> None:
         seen.append(top_hooks()[0])
     assert [recomputes_region(pack) for pack in seen] == [True, True, False]
     assert [scope_module._recomputes_region(pack) for pack in seen] == [True, True, False]
+
+
+def test_is_recomputing_is_true_inside_the_scopes_replay_only():
+    # Python that runs while the scope replays (here another dispatch mode's __torch_dispatch__) is told
+    # so by ckpt_lab.is_recomputing(), as in our checkpoints' re-runs; in the forward it is False.
+    import ckpt_lab
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.sin.default:
+                seen.append(ckpt_lab.is_recomputing())
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, requires_grad=True)
+    with Spy():
+        with ckpt_lab.gradient_checkpoint_scope():
+            y = x.sin()
+        z = y * y
+        z.sum().backward()
+    assert seen == [False, True]
+    assert not ckpt_lab.is_recomputing()
