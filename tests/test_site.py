@@ -137,7 +137,7 @@ def test_the_notebooks_links_land_where_jupyterlab_s_do(site: Path) -> None:
     glossary = _parse(site / "notebooks" / "glossary.html")
     assert {"peak", "leaf", "pack-unpack", "graph-task"} <= glossary.ids
     nb07 = (site / "notebooks" / "07_why_memory_did_not_drop.html").read_text()
-    assert "../_modules/ckpt_lab/explain/zoo.html" in nb07
+    assert "../_modules/ckpt_lab/cases/zoo.html" in nb07
     assert "/work/" not in nb07  # stored tracebacks name the checkout's files relative to it
 
 
