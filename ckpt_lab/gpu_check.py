@@ -16,7 +16,7 @@ virtual environment, no nbval) and the checkout on ``PYTHONPATH``, and writes on
 
 The tests are those the ``cuda`` mark of tests/oracle.py skips without a GPU (the checkpoints, the
 scope, offload, the parity cases, explain's CUDA memory, tests/test_cuda.py), run in a pytest of their
-own. The benchmark measures the README's workloads with fewer timing rounds, and starts no workload
+own. The benchmark measures its usual workloads with fewer timing rounds, and starts no workload
 once ``--bench-seconds`` have passed, so the whole command stays within about 8 minutes on an H100.
 The JSON is rewritten after every step: a run cut short still leaves what it measured.
 
@@ -315,7 +315,7 @@ def summary(report: dict[str, Any]) -> str:
                 )
         missed = [t for t in bench.get("targets", []) if not t["ok"]]
         lines.append(
-            f"README targets: {len(bench.get('targets', [])) - len(missed)} PASS, {len(missed)} MISS"
+            f"benchmark targets: {len(bench.get('targets', [])) - len(missed)} PASS, {len(missed)} MISS"
         )
         lines += [f"  MISS {t['workload']} {t['target']}: {t['figure']}" for t in missed]
     lines.append(f"\nverdict: {report['verdict']}")

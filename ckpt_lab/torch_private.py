@@ -50,8 +50,8 @@ from ckpt_lab.errors import CHECKED_ON, lookup, missing_error
 
 __all__ = ["CHECKED_ON", "PRIVATE_API", "PrivateUse", "missing", "missing_error", "optional", "resolve"]
 
-# The releases this list was checked on (tests/test_torch_private.py passed under each; the README's
-# "Torch versions" says how the rest of the suite fared): CHECKED_ON, and missing_error, live in
+# The releases this list was checked on (tests/test_torch_private.py passed under each; the site's
+# "Torch versions" page says how the rest of the suite fared): CHECKED_ON, and missing_error, live in
 # ckpt_lab/errors.py, which every stage module imports already (a copied stage carries them).
 
 

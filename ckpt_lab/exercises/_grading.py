@@ -82,7 +82,7 @@ class Exercise:
     notebook: str  # "02"
     section: str  # "§3 and §8": where the notebook builds what the exercise asks for
     defines: str  # what the file must define, as the list line shows it
-    grades: str  # what is graded, one line (the README's table)
+    grades: str  # what is graded, one line (the exercises' tables on the site)
     required: tuple[str, ...]  # the names the file must define
     checks: Callable[[], list[Check]]  # built on demand: exercise 04's come from another module
     # What the learner's file must not hand the work to: torch's or ckpt_lab's own version of what the

@@ -476,7 +476,7 @@ draw_graph(outs.sum(), dict(model.named_parameters()), name="01_checkpoint_graph
 # That holds for the **reentrant** checkpoint only. With `use_reentrant=False` (saved-tensor hooks,
 # notebook 03b) the block runs with grad **on**: its output requires grad whenever its parameters do.
 # Without `use_reentrant`, `checkpoint` warns, then runs the reentrant one (torch 2.13, shown here;
-# 2.11 and 2.14.1 warn and default alike: the README's "Torch versions"). With an input that does
+# 2.11, 2.14.1 and 2.15.0 warn and default alike: the site's "Torch versions" page). With an input that does
 # not require grad:
 
 # %%

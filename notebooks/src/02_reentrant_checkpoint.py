@@ -316,7 +316,7 @@ print("warnings, use_reentrant left out, x needs no grad (the last run):",
 # * **Left out**: torch warns, then runs the reentrant variant (the rows of `True`); the second
 #   warning is that variant's own (§5). The first warning's "Starting in PyTorch 2.9 … will raise" is
 #   stale: torch 2.13, shown here, does not raise, nor do 2.11 and 2.14.1, which warn and default
-#   alike (README, "Torch versions"; pytorch/pytorch#160534); 2.15 warns "In a future release"
+#   alike (the site's "Torch versions" page; pytorch/pytorch#160534); 2.15 warns "In a future release"
 #   instead, and defaults alike. Pass `use_reentrant` always.
 #
 # Notebook 01's rule:

@@ -639,7 +639,7 @@ run_peer("exception", raising)
 #
 # NOTE [ Speed ], at the end of `scope.py`, lists the shortcuts that spare Python calls per op
 # (cached schema facts, `__slots__`, an op's C++ entry point called directly), each cited where the
-# code takes it; none changes what is recorded or replayed (the README's scope rows measure them).
+# code takes it; none changes what is recorded or replayed (the benchmark page's scope rows measure them).
 #
 # ## Summary
 #

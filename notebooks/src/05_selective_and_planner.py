@@ -41,8 +41,8 @@
 # | What does CPU offload cost? Does it see SAC's cache? | 6 |
 # | BatchNorm's two batches per step, and the fix? | 7 |
 #
-# Shown on torch 2.13.0; where 2.11 or 2.14.1 differ, the section says so (README, "Torch
-# versions"). All eager: the compiler's budgets, global (`activation_memory_budget`, private
+# Shown on torch 2.13.0; where 2.11, 2.14.1 or 2.15.0 differ, the section says so (the site's "Torch
+# versions" page). All eager: the compiler's budgets, global (`activation_memory_budget`, private
 # `torch._functorch.config`) and per region (`region_activation_memory_budget`, a prototype that
 # refuses eager code, below), are [notebook 08](08_compiler_checkpointing.ipynb)'s.
 

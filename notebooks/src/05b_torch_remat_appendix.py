@@ -201,6 +201,8 @@ runs = {
     "ckpt_lab scope, rest in scope": lambda: scoped(x),
     "torch_remat, attention region": lambda: with_remat(x),
 }
+
+# %%
 MATMUL = {"mm", "addmm", "bmm", "baddbmm"}
 def step_counts(forward):
     for t in leaves:

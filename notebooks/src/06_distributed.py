@@ -192,7 +192,7 @@ assert all(same)
 # And the failing variant is the one you get when you do not choose: `checkpoint` without
 # `use_reentrant` warns, then runs the reentrant `CheckpointFunction`. Shown on torch 2.13; 2.11 and
 # 2.14.1 do the same, and none of them raises as the warning's "Starting in PyTorch 2.9, calling
-# checkpoint without use_reentrant will raise" says (README, "Torch versions"):
+# checkpoint without use_reentrant will raise" says (the site's "Torch versions" page):
 
 # %%
 block = TinyNet().double().blocks[0]
