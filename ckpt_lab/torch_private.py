@@ -278,9 +278,28 @@ PRIVATE_API: tuple[PrivateUse, ...] = (
     ),
     PrivateUse(
         "torch.utils.checkpoint._CachingTorchDispatchMode",
-        "explain: _SELECTIVE_FORWARD",
+        "explain: _SELECTIVE_FORWARD; exercises._delegation (TORCH_CHECKPOINTS)",
         "recognises torch's selective checkpoint's forward frames",
         "fallback: torch's selective regions are shown as plain non-reentrant checkpoints",
+    ),
+    # ------------------------------------------------------------------ the exercises' graders
+    PrivateUse(
+        "torch.utils.checkpoint._checkpoint_without_reentrant_generator",
+        "exercises._delegation (TORCH_CHECKPOINTS)",
+        "refused in a learner's file: torch's non-reentrant checkpoint, called from below its public name",
+        "fallback: not looked up by identity (the file's text is still read for it)",
+    ),
+    PrivateUse(
+        "torch.utils.checkpoint._CachedTorchDispatchMode",
+        "exercises._delegation (TORCH_CHECKPOINTS)",
+        "refused in a learner's file: torch's selective checkpoint's recomputation mode",
+        "fallback: not looked up by identity (the file's text is still read for it)",
+    ),
+    PrivateUse(
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+        "exercises._delegation (TORCH_CHECKPOINTS)",
+        "refused in a learner's file: torch's checkpoint wrapper module (FSDP's recipe)",
+        "fallback: not looked up by identity (the file's text is still read for it)",
     ),
     # ------------------------------------------------------------------ planner, batchnorm, state
     PrivateUse(

@@ -182,7 +182,9 @@ def test_the_students_site_has_no_solutions() -> None:
     for ex in EXERCISES.values():
         assert "{exercise}" in students and ex.stub_path.name in students
     # nor a source page of a solution
-    assert "ckpt_lab.exercises.solutions" in sources and "ckpt_lab.exercises.solutions" not in student_sources
+    answers = {f"ckpt_lab.exercises.ex{ex.file_name.removesuffix('.py')}.{part}" for ex in EXERCISES.values()
+               for part in ("solution", "mistakes")}
+    assert answers & set(sources.split()) and not answers & set(student_sources.split())
     assert "ckpt_lab.exercises" in student_sources.split()
     conf = (ROOT / "docs" / "conf.py").read_text()
     assert 'hide_solutions = tags.has("students")' in conf

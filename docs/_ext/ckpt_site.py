@@ -179,7 +179,9 @@ def source_modules(students: bool) -> list[str]:
         if parts[-1] == "__init__":
             parts = parts[:-1]
         name = ".".join(parts)
-        if not (students and name.startswith("ckpt_lab.exercises.solutions")):
+        # an exercise's folder: its reference solution, and its mistakes (each a one-line change of it)
+        answer = name.startswith("ckpt_lab.exercises.ex") and parts[-1] in ("solution", "mistakes")
+        if not (students and answer):
             names.append(name)
     return names
 
