@@ -772,8 +772,9 @@ def test_recomputes_region_recognises_checkpoints_by_their_pack_hooks() -> None:
 def test_is_recomputing_is_true_inside_the_scopes_replay_only():
     # Python that runs while the scope replays (here another dispatch mode's __torch_dispatch__) is told
     # so by ckpt_lab.is_recomputing(), as in our checkpoints' re-runs; in the forward it is False.
-    import ckpt_lab
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    import ckpt_lab
 
     seen = []
 

@@ -49,7 +49,7 @@ def stack(family: str, strategy: str, **sizes: Any) -> tuple[Stack, torch.Tensor
 
 
 def transformer_per_layer() -> tuple[Stack, torch.Tensor]:
-    """Four encoder layers, each in torch's non-reentrant checkpoint (the benchmark's workload at half depth)."""
+    """Four encoder layers, each in torch's non-reentrant checkpoint (the benchmark's, half depth)."""
     return stack("transformer", "torch-nonreentrant", depth=4)
 
 
