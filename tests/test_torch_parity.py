@@ -45,6 +45,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import weakref
 from collections.abc import Callable
 from copy import deepcopy
@@ -1059,11 +1060,18 @@ def test_function_with_more_than_one_output(ckpt) -> None:
 
 
 # TestSelectiveActivationCheckpoint.test_function_with_non_tensor_output
+_NAMESPACES = itertools.count()
+
+
 def test_function_with_non_tensor_output(ckpt) -> None:
     counter = [0]
-    with torch.library._scoped_library("ckpt_lab_parity", "FRAGMENT"):
+    # A namespace of its own per run: torch.ops caches the op packet by name, and a packet left from
+    # an earlier run (the other implementation's) would hand the policy an overload that is not the
+    # one dispatched, depending on when the garbage collector ran.
+    namespace = f"ckpt_lab_parity{next(_NAMESPACES)}"
+    with torch.library._scoped_library(namespace, "FRAGMENT"):
 
-        @torch.library.custom_op("ckpt_lab_parity::sin_with_extra", mutates_args=())
+        @torch.library.custom_op(f"{namespace}::sin_with_extra", mutates_args=())
         def sin_with_extra(x: torch.Tensor) -> tuple[torch.Tensor, int]:
             counter[0] += 1
             return x.sin(), 2
@@ -1075,9 +1083,9 @@ def test_function_with_non_tensor_output(ckpt) -> None:
             return grad * ctx.saved_tensors[0].cos()
 
         torch.library.register_autograd(
-            "ckpt_lab_parity::sin_with_extra", backward, setup_context=setup_context
+            f"{namespace}::sin_with_extra", backward, setup_context=setup_context
         )
-        op = torch.ops.ckpt_lab_parity.sin_with_extra
+        op = getattr(torch.ops, namespace).sin_with_extra
 
         def fn(x):
             return (op(x)[0] * x.sin().exp()).sin()
