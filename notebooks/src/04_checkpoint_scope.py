@@ -210,8 +210,9 @@ print("gradients of the three equal:", all(all_equal(scope_grads, g) for _, g in
 # ### 3.1 Draft (a): the tape
 #
 # A dispatch mode records each op the scope runs (an `Op`): its arguments with a `Slot` for each
-# tensor, the slots of what it returns. A tensor from outside, an *input*, is kept. What an op
-# returns with grad on is a **scope tensor**, registered weakly, by identity, in `SCOPE_TENSORS`.
+# tensor, the slots of what it returns; it knows a tensor by identity (torch's `WeakIdKeyDictionary`:
+# an id alone is reused once its tensor dies). A tensor from outside, an *input*, is kept. What an op
+# returns with grad on is a **scope tensor**, registered weakly in `SCOPE_TENSORS` until it dies.
 # For §3.3 it also records a random op's generator state and the last in-place write to each slot.
 # Ops run inside backward (a replay's too) are not the forward's.
 
@@ -237,9 +238,8 @@ class ScopeTensor(weakref.ref):  # a tensor the scope made with grad on: its tap
     __slots__ = ("key", "slot", "tape", "version")
 SCOPE_TENSORS = {}  # id(tensor) -> its ScopeTensor, for every scope, until the tensor dies
 def scope_tensor_died(entry):  # the weakref's callback (draft (d) adds the release of our hooks)
-    if SCOPE_TENSORS.get(entry.key) is entry:
-        del SCOPE_TENSORS[entry.key]
-        entry.tape.alive.discard(entry.key)
+    del SCOPE_TENSORS[entry.key]
+    entry.tape.alive.discard(entry.key)
 
 # %% tags=["04-scope-draft"]
 class Tape(TorchDispatchMode):  # one scope's recording: its aten ops, its inputs
@@ -319,9 +319,9 @@ class PackHook:  # ours: a scope tensor becomes a reference; another goes to the
     def __init__(self, below):
         self.below = below  # the (pack, unpack) pair below our entry, or None
     def __call__(self, tensor):
-        entry = SCOPE_TENSORS.get(id(tensor))
-        # this very tensor (ids are reused), not written since its scope closed (draft (d) notes versions)
-        if entry is not None and entry() is tensor and entry.version in (None, tensor._version):
+        entry = SCOPE_TENSORS.get(id(tensor))  # the tensor is alive: the entry is its own (see the callback)
+        # a scope tensor not written since its scope closed (draft (d) notes the version; None while open)
+        if entry is not None and entry.version in (None, tensor._version):
             return ScopeTensorRef(entry.tape, entry.slot)
         return Stored(tensor) if self.below is None else Delegated(self.below, tensor)
 def unpack(packed):  # the unpack hook of every entry of ours
@@ -452,13 +452,12 @@ class ResidentHooks:  # the open scope's tape, the tapes with scope tensors aliv
         for pair in reversed(pairs):  # while tapes live, each wrapped: scope tensors still come to us
             push_hooks(*((PackHook(pair), unpack) if cls.live else pair))
 def scope_tensor_died(entry):
-    if SCOPE_TENSORS.get(entry.key) is entry:
-        del SCOPE_TENSORS[entry.key]
-        entry.tape.alive.discard(entry.key)
-        if not entry.tape.alive and entry.tape is not ResidentHooks.open:
-            ResidentHooks.live.discard(entry.tape)
-            if not ResidentHooks.live and _current_graph_task_id() == -1:  # in backward: 04b §11
-                ResidentHooks.restack()
+    del SCOPE_TENSORS[entry.key]
+    entry.tape.alive.discard(entry.key)
+    if not entry.tape.alive and entry.tape is not ResidentHooks.open:
+        ResidentHooks.live.discard(entry.tape)
+        if not ResidentHooks.live and _current_graph_task_id() == -1:  # in backward: 04b §11
+            ResidentHooks.restack()
 
 # %% tags=["04-scope-draft"]
 @contextlib.contextmanager
@@ -473,9 +472,9 @@ def gradient_checkpoint_scope():
     try:
         with tape:
             yield
-    except BaseException:  # what escaped the failed scope is an ordinary tensor
+    except BaseException:  # what escaped the failed scope is stored as an ordinary tensor (no version is -1)
         for key in tape.alive:
-            del SCOPE_TENSORS[key]
+            SCOPE_TENSORS[key].version = -1
         tape.alive.clear()
         raise
     finally:

@@ -93,9 +93,9 @@ class PackHook:  # ours: a scope tensor becomes a reference; another goes to the
     def __init__(self, below):
         self.below = below  # the (pack, unpack) pair below our entry, or None
     def __call__(self, tensor):
-        entry = SCOPE_TENSORS.get(id(tensor))
-        # this very tensor (ids are reused), not written since its scope closed (draft (d) notes versions)
-        if entry is not None and entry() is tensor and entry.version in (None, tensor._version):
+        entry = SCOPE_TENSORS.get(id(tensor))  # the tensor is alive: the entry is its own (see the callback)
+        # a scope tensor not written since its scope closed (draft (d) notes the version; None while open)
+        if entry is not None and entry.version in (None, tensor._version):
             return ScopeTensorRef(entry.tape, entry.slot)
         return Stored(tensor) if self.below is None else Delegated(self.below, tensor)
 
@@ -148,13 +148,12 @@ class ResidentHooks:  # the open scope's tape, the tapes with scope tensors aliv
 
 
 def scope_tensor_died(entry):
-    if SCOPE_TENSORS.get(entry.key) is entry:
-        del SCOPE_TENSORS[entry.key]
-        entry.tape.alive.discard(entry.key)
-        if not entry.tape.alive and entry.tape is not ResidentHooks.open:
-            ResidentHooks.live.discard(entry.tape)
-            if not ResidentHooks.live and _current_graph_task_id() == -1:  # in backward: 04b §11
-                ResidentHooks.restack()
+    del SCOPE_TENSORS[entry.key]
+    entry.tape.alive.discard(entry.key)
+    if not entry.tape.alive and entry.tape is not ResidentHooks.open:
+        ResidentHooks.live.discard(entry.tape)
+        if not ResidentHooks.live and _current_graph_task_id() == -1:  # in backward: 04b §11
+            ResidentHooks.restack()
 
 
 @contextlib.contextmanager
@@ -169,9 +168,9 @@ def gradient_checkpoint_scope():
     try:
         with tape:
             yield
-    except BaseException:  # what escaped the failed scope is an ordinary tensor
+    except BaseException:  # what escaped the failed scope is stored as an ordinary tensor (no version is -1)
         for key in tape.alive:
-            del SCOPE_TENSORS[key]
+            SCOPE_TENSORS[key].version = -1
         tape.alive.clear()
         raise
     finally:
