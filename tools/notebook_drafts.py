@@ -20,11 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "src" / "04_checkpoint_scope.py"
 SOLUTION = ROOT / "ckpt_lab" / "exercises" / "ex04_scope" / "solution.py"
 TAG = "04-scope-draft"
-HEADER = '''"""Exercise 04-scope, reference solution: notebook 04's drafts (a) to (d), assembled.
-
-Written by tools/notebook_drafts.py from the draft cells of notebooks/src/04_checkpoint_scope.py
-(each name at its last definition); edit the notebook, then run that script.
-"""
+HEADER = '''"""Exercise 04-scope, reference solution: notebook 04's drafts (a) to (d), each name at its last
+definition, assembled by tools/notebook_drafts.py (edit notebooks/src/04_checkpoint_scope.py, then run it)."""
 
 '''
 

@@ -14,14 +14,14 @@ MISTAKES = [
     ),
     Mistake(
         "forgets the RNG replay",
-        "                        draw[0].set_state(draw[1])  # the state this op drew from in the forward\n",
-        "                        pass\n",
+        "                    draw[0].set_state(draw[1])  # the state this op drew from in the forward\n",
+        "                    pass\n",
         "dropout",
         "dropout in the scope",
     ),
     Mistake(
         "replays at every unpack (notebook 04's draft (b))",
-        "        if ref.round == self.round or ref.slot not in self.values:",
+        "        if ref.round == self.round:",
         "        if True:",
         "recomputes-each-op-once",
         "ops run again in backward",

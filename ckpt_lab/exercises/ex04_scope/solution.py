@@ -1,8 +1,5 @@
-"""Exercise 04-scope, reference solution: notebook 04's drafts (a) to (d), assembled.
-
-Written by tools/notebook_drafts.py from the draft cells of notebooks/src/04_checkpoint_scope.py
-(each name at its last definition); edit the notebook, then run that script.
-"""
+"""Exercise 04-scope, reference solution: notebook 04's drafts (a) to (d), each name at its last
+definition, assembled by tools/notebook_drafts.py (edit notebooks/src/04_checkpoint_scope.py, then run it)."""
 
 import contextlib
 import weakref
@@ -15,15 +12,14 @@ from torch._C._autograd import _push_saved_tensors_default_hooks as push_hooks
 from torch._C._autograd import _top_saved_tensors_default_hooks as top_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class Slot(int):  # a tensor in a recorded op's arguments: its slot (a type of its own: not an int argument)
     pass
 
 
-# A recorded op: its arguments with a Slot for each tensor, its outputs' slots, and for a random op
-# its generator with the generator's state before the op drew.
-Op = namedtuple("Op", "func args kwargs outputs draw")
+Op = namedtuple("Op", "func args kwargs outputs draw")  # draw: a random op's (generator, its state)
 
 
 class ScopeTensor(weakref.ref):  # a tensor the scope made with grad on: its tape, slot, version at close
@@ -37,16 +33,15 @@ class Tape(TorchDispatchMode):  # one scope's recording: its aten ops, its input
     def __init__(self):
         super().__init__()
         self.ops, self.inputs, self.count = [], {}, 0  # Ops; slot -> a tensor from outside (kept); slots
-        self.slots, self.alive = {}, set()  # id(tensor) -> (weakref, slot); keys of live scope tensors
-        self.last_write, self.replayer = {}, None  # slot -> the last op writing into it in place; (b), (c)
+        self.slots, self.alive = WeakIdKeyDictionary(), set()  # tensor -> slot; keys of live scope tensors
+        self.last_write, self.replayer = {}, None  # slot -> the last op writing into it in place; (c)
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _current_graph_task_id() != -1:  # a backward's op (a replay's too): not the forward's
             return func(*args, **kwargs)
-        draw = None
-        if torch.Tag.nondeterministic_seeded in func.tags:  # random: record the generator's state
-            generator = kwargs.get("generator") or torch.default_generator  # (CPU; devices: 04b §10)
-            draw = generator, generator.get_state()
+        generator = kwargs.get("generator") or torch.default_generator  # (CPU; devices: 04b §10)
+        random = torch.Tag.nondeterministic_seeded in func.tags  # random: record the generator's state
+        draw = (generator, generator.get_state()) if random else None
         out = func(*args, **kwargs)
         for i, arg in enumerate(func._schema.arguments):  # in-place and out= ops write into an argument
             if arg.alias_info is not None and arg.alias_info.is_write:
@@ -58,14 +53,11 @@ class Tape(TorchDispatchMode):  # one scope's recording: its aten ops, its input
         return out
 
 
-def slot_of(tape, tensor, made=False):
-    """The slot of a tensor the tape has seen (this very tensor: ids of dead ones are reused), else a new
-    one: for an argument, an input (kept); for what an op made with grad on, a scope tensor."""
-    ref, slot = tape.slots.get(id(tensor), (None, None))
-    if ref is not None and ref() is tensor:
-        return slot  # an in-place op returns its argument: it keeps its slot
-    slot, tape.count = Slot(tape.count), tape.count + 1
-    tape.slots[id(tensor)] = (weakref.ref(tensor), slot)
+def slot_of(tape, tensor, made=False):  # a new slot: for an argument an input, for an output a scope tensor
+    if tensor in tape.slots:
+        return tape.slots[tensor]  # an in-place op returns its argument: it keeps its slot
+    slot = tape.slots[tensor] = Slot(tape.count)
+    tape.count += 1
     if not made:
         tape.inputs[slot] = tensor
     elif torch.is_grad_enabled():  # autograd may save it
@@ -77,7 +69,7 @@ def slot_of(tape, tensor, made=False):
 
 class ScopeTensorRef:  # instead of a scope tensor: its tape and slot, how many ops were recorded then
     def __init__(self, tape, slot):
-        self.tape, self.slot, self.saved_at, self.round = tape, slot, len(tape.ops), -1
+        self.tape, self.slot, self.saved_at, self.round = tape, slot, len(tape.ops), 0
         tape.replayer = tape.replayer or Replayer()
     def unpack(self):
         return self.tape.replayer.serve(self)
@@ -97,18 +89,15 @@ class Delegated:  # not a scope tensor: handed to the (pack, unpack) pair below 
         return self.unpack_hook(self.packed)
 
 
-def scope_ref(tensor):  # a reference, if the tensor is a scope tensor not written since its scope closed
-    entry = SCOPE_TENSORS.get(id(tensor))
-    if entry is None or entry() is not tensor or entry.version not in (None, tensor._version):
-        return None
-    return ScopeTensorRef(entry.tape, entry.slot)
-
-
 class PackHook:  # ours: a scope tensor becomes a reference; another goes to the pair below, or is stored
     def __init__(self, below):
         self.below = below  # the (pack, unpack) pair below our entry, or None
     def __call__(self, tensor):
-        return scope_ref(tensor) or (Stored(tensor) if self.below is None else Delegated(self.below, tensor))
+        entry = SCOPE_TENSORS.get(id(tensor))  # the tensor is alive: the entry is its own (see the callback)
+        # a scope tensor not written since its scope closed (draft (d) notes the version; None while open)
+        if entry is not None and entry.version in (None, tensor._version):
+            return ScopeTensorRef(entry.tape, entry.slot)
+        return Stored(tensor) if self.below is None else Delegated(self.below, tensor)
 
 
 def unpack(packed):  # the unpack hook of every entry of ours
@@ -119,85 +108,75 @@ class Replayer:  # the first unpack of a backward replays the tape; the others t
     def __init__(self):
         self.values, self.round = {}, 0  # the last replay's tensors; replays so far
     def replay(self, tape):
-        draws = [op.draw for op in tape.ops if op.draw is not None]
-        forked = {id(g): (g, g.get_state()) for g, _ in draws}  # a fork: the caller's streams go on
+        # a fork: every generator the tape drew from is put back afterwards, the caller's streams go on
+        forked = [(op.draw[0], op.draw[0].get_state()) for op in tape.ops if op.draw]
         values = dict(tape.inputs)
-        try:
-            with torch.no_grad():  # a replay builds no graph: autograd wires what we hand out
-                for func, args, kwargs, outputs, draw in tape.ops:
-                    if draw is not None:
-                        draw[0].set_state(draw[1])  # the state this op drew from in the forward
-                    args, kwargs = tree_map_only(Slot, values.__getitem__, (args, kwargs))
-                    values.update(zip(outputs, tree_leaves(func(*args, **kwargs)), strict=True))
-        finally:
-            for generator, state in forked.values():
-                generator.set_state(state)
+        with torch.no_grad():  # a replay builds no graph: autograd wires what we hand out
+            for func, args, kwargs, outputs, draw in tape.ops:
+                if draw:
+                    draw[0].set_state(draw[1])  # the state this op drew from in the forward
+                args, kwargs = tree_map_only(Slot, values.__getitem__, (args, kwargs))
+                values.update(zip(outputs, tree_leaves(func(*args, **kwargs)), strict=True))
+        for generator, state in forked:
+            generator.set_state(state)
         self.values, self.round = values, self.round + 1
     def serve(self, ref):
         if ref.tape.last_write.get(ref.slot, -1) >= ref.saved_at:  # autograd refuses it too (03 §1)
             raise RuntimeError("a tensor made in the scope was modified in place after autograd saved it")
-        if ref.round == self.round or ref.slot not in self.values:  # served already: a new backward
+        if ref.round == self.round:  # served already (or never replayed): a new backward
             self.replay(ref.tape)
         ref.round = self.round
         return self.values[ref.slot]
 
 
-class ResidentHooks:  # the open scope's tape, the tapes with scope tensors alive, our resident entry
-    open, live, resident = None, set(), None  # one set for the process (04b §1: one per thread)
+class ResidentHooks:  # the open scope's tape, the tapes with scope tensors alive
+    open, live = None, set()  # one set for the process (04b §1: one per thread)
     @classmethod
     def restack(cls, drop=None):
         """The stack without drop: while tapes live, our resident entry at the bottom, the rest wrapped."""
-        keep, entries = bool(cls.live), []
+        pairs = []  # the stack's entries, top first, as pushed; without our resident entry and drop
         while (top := top_hooks(False)) is not None:
             pop_hooks()
-            entries.append(top)
-        cls.resident = (cls.resident or PackHook(None)) if keep else None
-        if keep:
-            push_hooks(cls.resident, unpack)
-        for pack, unpack_hook in reversed(entries):
-            if isinstance(pack, PackHook):
-                if pack.below is None or pack is drop:
-                    continue  # the old resident entry, or the closing scope's own
-                if not keep:
-                    pack, unpack_hook = pack.below  # a wrapper: the pair it stands for comes back
-            elif keep:
-                pack, unpack_hook = PackHook((pack, unpack_hook)), unpack  # scope tensors to us
-            push_hooks(pack, unpack_hook)
+            if not isinstance(top[0], PackHook):
+                pairs.append(top)
+            elif top[0].below is not None and top[0] is not drop:
+                pairs.append(top[0].below)  # a wrapper: the pair it stands for
+        if cls.live:
+            push_hooks(PackHook(None), unpack)  # the resident entry
+        for pair in reversed(pairs):  # while tapes live, each wrapped: scope tensors still come to us
+            push_hooks(*((PackHook(pair), unpack) if cls.live else pair))
 
 
 def scope_tensor_died(entry):
-    if SCOPE_TENSORS.get(entry.key) is entry:
-        del SCOPE_TENSORS[entry.key]
-        entry.tape.alive.discard(entry.key)
-        if not entry.tape.alive and entry.tape is not ResidentHooks.open:
-            ResidentHooks.live.discard(entry.tape)
-            if not ResidentHooks.live and _current_graph_task_id() == -1:  # in backward: 04b §11
-                ResidentHooks.restack()
+    del SCOPE_TENSORS[entry.key]
+    entry.tape.alive.discard(entry.key)
+    if not entry.tape.alive and entry.tape is not ResidentHooks.open:
+        ResidentHooks.live.discard(entry.tape)
+        if not ResidentHooks.live and _current_graph_task_id() == -1:  # in backward: 04b §11
+            ResidentHooks.restack()
 
 
 @contextlib.contextmanager
 def gradient_checkpoint_scope():
-    if ResidentHooks.open is not None or not torch.is_grad_enabled():
-        yield  # nested: the outer scope records it all; without grad nothing is saved
+    if ResidentHooks.open is not None:
+        yield  # nested: the outer scope records it all
         return
-    top = top_hooks(False)  # what is not a scope tensor goes to the pair below (not to an entry of ours)
-    entry = PackHook(top[0].below if top is not None and isinstance(top[0], PackHook) else top)
+    entry = PackHook(top_hooks(False))  # what is not a scope tensor goes to the pair below
     push_hooks(entry, unpack)
     tape = ResidentHooks.open = Tape()
     ResidentHooks.live.add(tape)
-    failed = True
     try:
         with tape:
             yield
-        failed = False
+    except BaseException:  # what escaped the failed scope is stored as an ordinary tensor (no version is -1)
+        for key in tape.alive:
+            SCOPE_TENSORS[key].version = -1
+        tape.alive.clear()
+        raise
     finally:
-        ResidentHooks.open, tape.slots = None, {}
-        for key in list(tape.alive):
-            if failed:  # after an exception, what escaped the scope is an ordinary tensor
-                del SCOPE_TENSORS[key]
-                tape.alive.discard(key)
-            else:  # a write after the scope is not on the tape: note the version (of the tensor itself)
-                SCOPE_TENSORS[key].version = SCOPE_TENSORS[key]()._version
+        ResidentHooks.open = None
+        for key in tape.alive:  # a write after the scope is not on the tape: note the version (see below)
+            SCOPE_TENSORS[key].version = SCOPE_TENSORS[key]()._version
         if not tape.alive:
             ResidentHooks.live.discard(tape)
         ResidentHooks.restack(drop=entry)
