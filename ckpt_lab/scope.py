@@ -54,8 +54,7 @@ __all__ = [
     "recomputes_region",
 ]
 
-# torch's private API the scope stands on (ckpt_lab/torch_private.py lists every use), looked up once:
-# None where this torch lacks it, and then the scope refuses to open (NOTE [ Private names ]).
+# torch's private API (ckpt_lab/torch_private.py lists every use); None where this torch lacks it.
 _pop_saved_tensors_default_hooks = getattr(torch._C._autograd, "_pop_saved_tensors_default_hooks", None)
 _push_saved_tensors_default_hooks = getattr(torch._C._autograd, "_push_saved_tensors_default_hooks", None)
 _saved_tensors_hooks_is_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
@@ -99,8 +98,7 @@ def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[No
             yield
         failed = False
     except RuntimeError as error:
-        # torch.func's grad, vjp, jacrev and hessian refuse to run while saved-tensor hooks are on the
-        # stack, ours included, with a message that does not say whose hooks they are.
+        # torch.func refuses to run under saved-tensor hooks, ours included, without saying whose.
         if "support saved tensor hooks" in str(error):
             raise CheckpointError(
                 "gradient_checkpoint_scope: torch.func (grad, vjp, jacrev, hessian) can't run inside the "
@@ -239,8 +237,7 @@ class _Tape:
         entry = self.storages.get(id(storage))
         slot = _Slot(len(self.slots))
         if entry is not None and entry[0]() is storage:
-            # Another tensor object on memory the scope made (.data, a Parameter wrapped around it):
-            # replayed as a view of that memory. See NOTE [ What "born in the scope" means ].
+            # Another object on memory the scope made (.data, a Parameter around it): replayed as a view.
             self.slots.append(_SlotRecord(_Alias(tensor), entry[1], None, None, False, slot))
         else:
             self.slots.append(_SlotRecord(_Borrowed(tensor), slot, None, None, False, slot))
@@ -293,8 +290,7 @@ class _Tape:
             if storage is None or (known is not None and known[0]() is storage):
                 slots.append(_alias_slot(self, tensor, known if storage is not None else None, args))
                 continue
-            # New memory, what the scope exists for: a scope tensor, unless made with grad mode off.
-            # See NOTE [ What "born in the scope" means ].
+            # New memory: a scope tensor, unless made with grad off (NOTE [ What "born in the scope" means ]).
             slot = _Slot(len(self.slots))
             self.slots.append(_SlotRecord(None, slot, tensor._version, meta, grad, slot))
             self.storages[id(storage)] = (weakref.ref(storage), slot)
@@ -320,9 +316,8 @@ def _alias_slot(tape: _Tape, tensor: torch.Tensor, known: tuple | None, args: tu
     slots = tape.slots
     slot = _Slot(len(slots))
     if known is not None:
-        # An alias the schema does not declare (_unsafe_view, unsafe_split's chunks in GRU and LSTM
-        # cells) of memory the scope made: autograd gives it no base to be recognised by, so it is
-        # registered itself if that memory is; and a version counter of its own.
+        # An alias the schema does not declare (_unsafe_view, unsafe_split's chunks in RNN cells): no
+        # base to be recognised by, so registered itself if its memory is; a version counter of its own.
         storage_slot, version_slot, version = known[1], slot, tensor._version
         made = slots[storage_slot].is_scope_tensor
     else:
@@ -346,12 +341,10 @@ class _Recording:
     def __init__(self, hooks: _ResidentHooks, preserve_rng_state: bool) -> None:
         self.hooks = hooks
         self.tape = _Tape(self.register)
-        # Keys of our entries in _SCOPE_TENSORS, the scope tensors alive. A set: add and discard are
-        # atomic, and tensors die on any thread.
+        # Our keys in _SCOPE_TENSORS, of scope tensors alive (a set: atomic add and discard, any thread).
         self.scope_tensors: set[int] = set()
         self.open = True
-        # See NOTE [ Random ops ].
-        self.rng = preserve_rng_state
+        self.rng = preserve_rng_state  # NOTE [ Random ops ]
         # Captured once, before the scope's first op. See NOTE [ RNG and autocast in a replay ].
         state, self.uninitialised = capture_every_device(preserve_rng_state)
         # The replayer shares the tape but holds no reference back to us: we reference it, and a
@@ -553,8 +546,7 @@ class _PackHook:
         self.below = below
 
     def __call__(self, tensor: torch.Tensor) -> Any:
-        # A scope tensor: nothing here runs an op, so this hook need not be marked as running
-        # (see NOTE [ Per-thread state ] and NOTE [ Speed ] (l)).
+        # A scope tensor: no op runs here, so the hook need not be marked running (NOTE [ Speed ] (l)).
         ref = _scope_ref(tensor)
         if ref is not None:
             return ref
@@ -630,8 +622,7 @@ class _ScopeTensorRef:
         self.version = version
         self.geometry = geometry
         self.round = -1  # the last replay that served this reference
-        # Saved after the scope closed, by an op that consumes its tensors (not by the scope's own
-        # ops): see NOTE [ The first replay of a backward ].
+        # Saved after the scope closed, by a consumer: NOTE [ The first replay of a backward ].
         self.consumer = replayer.closed
 
     def unpack(self) -> torch.Tensor:
@@ -821,8 +812,7 @@ class _Replayer:
     def _replay(self, trigger: _ScopeTensorRef) -> None:
         refs = [r for r in (ref() for ref in self.refs) if r is not None]
         self.refs = [weakref.ref(r) for r in refs]
-        # Which of them this replay serves, what it has already (``held``), whether it lets go of an
-        # earlier scope's tensors it reads: all of them, nothing, yes, but in a chain of scoped blocks.
+        # Which it serves, what it has already, whether it lets go: all, none, yes, but in a chain of blocks.
         refs, held, let_go = self.chain.select(self, refs, trigger)
         wanted: dict[int, int] = {}  # storage slot -> how many references want it (not a Counter: speed)
         for r in refs:
@@ -870,8 +860,7 @@ def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, l
             replayer.chain.let_go(replayer, slot)  # if an earlier scope's tensor: it recomputes it
     for n, i in enumerate(plan.run):
         op = ops[i]
-        # The fields at once, not one attribute at a time (NOTE [ Speed ] (m)).
-        _, args, kwargs, outputs, metas, _, draw, op_grad, call, _ = op
+        _, args, kwargs, outputs, metas, _, draw, op_grad, call, _ = op  # at once: NOTE [ Speed ] (m)
         if op_grad is not grad:
             grad = op_grad
             _set_grad_enabled(grad)
@@ -886,8 +875,7 @@ def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, l
 
 
         if draw is not None:
-            # Its generator as the forward's op found it. See NOTE [ Random ops ].
-            draw.restore()
+            draw.restore()  # its generator as the forward's op found it: NOTE [ Random ops ]
         # op.func(...), without its Python frame: NOTE [ Speed ] (k).
         out = call(*args, **{k: _resolve(v, values) for k, v in kwargs.items()}) if kwargs else call(*args)
         if type(out) is torch.Tensor and len(outputs) == 1:
@@ -913,12 +901,9 @@ def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, l
 
 def _check_replayed(op: _Op, tensor: torch.Tensor, meta: tuple) -> None:
     """Limitation (3) of NOTE [ What a replay refuses ]: the replayed tensor looks like the forward's."""
-    try:  # _meta, inlined: NOTE [ Speed ] (c)
-        same = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device) == meta
-    except (RuntimeError, NotImplementedError):
-        same = _meta(tensor) == meta
-    if not same:
+    if _meta(tensor) != meta:
         raise _replay_mismatch(op, _describe(_meta(tensor)), _describe(meta))
+
 
 
 def _resolve(arg: Any, values: list[Any]) -> Any:
