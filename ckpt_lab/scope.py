@@ -581,13 +581,11 @@ def _scope_ref(tensor: torch.Tensor, register: bool = True) -> _ScopeTensorRef |
     # The registered tensor itself, on memory of its own, is its slot's tensor (NOTE [ Speed ] (n));
     # a view or an undeclared alias is remade from its geometry, unless it has its base's.
     if made is not tensor or storage_slot != version_slot:
-        shape, stride, offset, dtype, _ = replayer.slots[storage_slot].meta
         geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
-        if geometry == (shape, stride, offset, dtype):
+        if geometry == replayer.slots[storage_slot].meta[:4]:
             geometry = None
     ref = _ScopeTensorRef(replayer, storage_slot, version_slot, version, geometry)
     if register:
-        # Not registered: not wanted by a replay until ``serve`` is asked for it.
         replayer.refs.append(weakref.ref(ref))
     return ref
 
