@@ -188,7 +188,6 @@ class _RecordingMode(TorchDispatchMode):
             and hasattr(torch._C._dynamo.eval_frame._FrameAction, "SKIP")
         )
 
-
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or _NO_KWARGS  # See NOTE [ Speed ] (e).
         # Not the forward's: see NOTE [ What the tape leaves out ] and NOTE [ Speed ] (g).
@@ -484,7 +483,6 @@ class _Borrowed:
     """A tensor from outside the scope that the replay reads: kept by reference, checked by version
     (NOTE [ Inputs are kept, not recomputed ])."""
 
-
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
@@ -609,8 +607,6 @@ class _ScopeTensorRef:
         "__weakref__", "consumer", "geometry", "replayer", "round", "storage_slot", "version", "version_slot"
     )
 
-
-
     def __init__(
         self, replayer: _Replayer, storage_slot: int, version_slot: int, version: int, geometry: tuple | None
     ) -> None:
@@ -680,7 +676,6 @@ class _Delegated:
 # detectable: a scope tensor written through ``.data`` after the scope and before autograd saves it
 # (the replay recomputes the old values; a checksum would cost a pass over every saved tensor).
 class _Plan(NamedTuple):
-
     """What one replay runs, for one set of wanted storage slots: see NOTE [ One replay per backward ]."""
 
     key: tuple  # (ops recorded, wanted storage slots) it was computed for
@@ -870,8 +865,6 @@ def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, l
         args = [
             values[a] if type(a) is _Slot else a.resolve(values) if type(a) is _Nested else a for a in args
         ]
-
-
         if draw is not None:
             draw.restore()  # its generator as the forward's op found it: NOTE [ Random ops ]
         # op.func(...), without its Python frame: NOTE [ Speed ] (k).
@@ -901,7 +894,6 @@ def _check_replayed(op: _Op, tensor: torch.Tensor, meta: tuple) -> None:
     """Limitation (3) of NOTE [ What a replay refuses ]: the replayed tensor looks like the forward's."""
     if _meta(tensor) != meta:
         raise _replay_mismatch(op, _describe(_meta(tensor)), _describe(meta))
-
 
 
 def _resolve(arg: Any, values: list[Any]) -> Any:
@@ -947,7 +939,6 @@ _NOTHING = contextlib.nullcontext()
 # an accelerator first initialised inside replays from its fresh seed (``with_initialised_inside``).
 def _autocast_off(state: ReplayState) -> Any:
     """``state.autocast.restored()``, without autocast contexts when autocast is off (NOTE [ Speed ] (i))."""
-
     if any(torch.is_autocast_enabled(device_type) for device_type, _, _ in state.autocast.settings):
         return state.autocast.restored()
     return _NOTHING
@@ -1378,7 +1369,6 @@ def _before_writes(tape: _Tape, info: OpInfo, args: tuple, kwargs: dict) -> list
         swapped = entry is not None and len(entry) == 3 and entry[0]() is tensor
         swapped = swapped and entry[2] != id(storage_of(tensor))
         slot = tape.add_input(tensor) if swapped else tape.encode(tensor)
-
         memory = tape.slots[tape.slots[slot].storage_slot]
         source = memory.source
         if type(source) is _Borrowed:
@@ -1456,4 +1446,3 @@ def _skip_dynamo(code: types.CodeType) -> None:
 # (n) The pack hook compares geometries only for a view or an undeclared alias.
 # On the benchmark's chain of 64 dropout blocks: (k)-(n) took the scope from 1.26x to 1.16x torch's
 # non-reentrant checkpoint; (c) and (d) as they are now, 4% more.
-
