@@ -35,15 +35,15 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckpt_lab._aten import _OP_INFO, OpInfo, op_info, storage_of
-from ckpt_lab.errors import CheckpointError, missing_error
+from ckpt_lab.errors import CheckpointError, missing_error, optional
 from ckpt_lab.rng import (
     GeneratorState,
     ReplayState,
     RNGState,
     capture_every_device,
+    recomputing,
     with_initialised_inside,
 )
-from ckpt_lab.state_guard import recomputing
 
 __all__ = [
     "gradient_checkpoint_scope",
@@ -55,13 +55,13 @@ __all__ = [
 ]
 
 # torch's private API (ckpt_lab/torch_private.py lists every use); None where this torch lacks it.
-_pop_saved_tensors_default_hooks = getattr(torch._C._autograd, "_pop_saved_tensors_default_hooks", None)
-_push_saved_tensors_default_hooks = getattr(torch._C._autograd, "_push_saved_tensors_default_hooks", None)
-_saved_tensors_hooks_is_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
-_top_saved_tensors_default_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_pop_saved_tensors_default_hooks = optional("torch._C._autograd._pop_saved_tensors_default_hooks")
+_push_saved_tensors_default_hooks = optional("torch._C._autograd._push_saved_tensors_default_hooks")
+_saved_tensors_hooks_is_enabled = optional("torch._C._autograd._saved_tensors_hooks_is_enabled")
+_top_saved_tensors_default_hooks = optional("torch._C._autograd._top_saved_tensors_default_hooks")
+_current_graph_task_id = optional("torch._C._current_graph_task_id")
 # Only switches grad mode: torch.set_grad_enabled(mode), called as a function, does the same.
-_set_grad_enabled = getattr(torch._C, "_set_grad_enabled", None) or torch.set_grad_enabled
+_set_grad_enabled = optional("torch._C._set_grad_enabled") or torch.set_grad_enabled
 
 
 # ============================================================================================ the entry point
@@ -1109,7 +1109,7 @@ _LACKING = [
         ("torch._C._autograd._saved_tensors_hooks_is_enabled", _saved_tensors_hooks_is_enabled),
         ("torch._C._autograd._top_saved_tensors_default_hooks", _top_saved_tensors_default_hooks),
         ("torch._C._current_graph_task_id", _current_graph_task_id),
-        ("torch._C._AutoDispatchBelowAutograd", getattr(torch._C, "_AutoDispatchBelowAutograd", None)),
+        ("torch._C._AutoDispatchBelowAutograd", optional("torch._C._AutoDispatchBelowAutograd")),
     )
     if found is None
 ]
