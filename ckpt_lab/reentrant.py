@@ -33,8 +33,7 @@ import torch
 
 from ckpt_lab._eager import run_eagerly
 from ckpt_lab.errors import CheckpointError, missing_error, optional
-from ckpt_lab.rng import ReplayState
-from ckpt_lab.state_guard import recomputing
+from ckpt_lab.rng import ReplayState, recomputing
 
 __all__ = ["CheckpointFunction", "reentrant_checkpoint"]
 

@@ -15,6 +15,7 @@ for the recomputation inside a *fork*, so the caller's RNG stream continues as i
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,6 +33,8 @@ __all__ = [
     "device_initialised",
     "fork_rng",
     "forked",
+    "is_recomputing",
+    "recomputing",
     "seeded_states",
     "tensor_devices",
     "with_initialised_inside",
@@ -317,3 +320,29 @@ def autocast_device_types(devices: Iterable[torch.device]) -> list[str]:
     """
     types = [device.type for device in devices]
     return types or [DefaultDeviceType.get_device_type()]
+
+
+# ================================================================== which run this is
+# Code that must not run twice per step (a metric, a counter, a cache write) asks is_recomputing():
+# every re-run of this package (reentrant, non-reentrant, selective, sequential, the scope's replay)
+# enters recomputing(). A context variable, as torch_remat's is_recomputing() is.
+_recomputing = contextvars.ContextVar("ckpt_lab_recomputing", default=False)
+
+
+def is_recomputing() -> bool:
+    """Whether the code calling it runs inside one of our checkpoints' re-runs.
+
+    ``False`` in the forward and outside any checkpoint: ``if not ckpt_lab.is_recomputing():
+    self.counts += load`` counts once per step.
+    """
+    return _recomputing.get()
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Entered by every checkpoint of this package around its re-run: ``is_recomputing()`` is ``True``."""
+    token = _recomputing.set(True)
+    try:
+        yield
+    finally:
+        _recomputing.reset(token)

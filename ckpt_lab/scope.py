@@ -8,22 +8,14 @@ written from scratch. Introduced in notebook 04::
     y = x * c        # autograd saves a small reference instead of x; backward re-runs a + b
 
 ``ckpt_lab.scope_core`` is the same mechanism at its smallest, in the same sections and names (read it
-first); this is the shipped scope, hardened for real code. Both pass ``ckpt_lab.scope_checks``. After
-the entry point (where a scope does nothing, the accessors notebooks use):
-
-1. The tape: ``_RecordingMode`` records every aten op (``_Op``) onto the ``_Tape`` of the scope's
-   ``_Recording``, one ``_SlotRecord`` per tensor.
-2. The reference: ``_PackHook`` knows a scope tensor by its identity (``_SCOPE_TENSORS``) and returns
-   a ``_ScopeTensorRef`` instead; other tensors are ``_Stored`` or ``_Delegated``.
-3. The replay: ``_Replayer.serve`` replays once per backward what the wanted tensors need
-   (``_plan_replay``), each random op from its generator's recorded state, and checks the result.
-4. The resident hooks: ``_ResidentHooks.restack`` keeps our pack hook past the ``with`` block.
-
-Then, behind a banner, the hardening, each part a ``NOTE [ ... ]`` the code cites: torch's private
-names, what the tape leaves out, a scope inside a checkpoint, a chain of scoped blocks kept at
-torch's peak (``_Chain``, the replay's one seam to it), writes to outside tensors, Dynamo; last,
-NOTE [ Speed ], the per-op shortcuts, lettered (a) to (n). Copying this file takes
-``ckpt_lab/errors.py``, ``ckpt_lab/rng.py`` and ``ckpt_lab/_aten.py``, nothing else of ``ckpt_lab``.
+first); this is the shipped scope, hardened for real code; notebook 04b explains each difference. After
+the entry point: 1. the tape (``_RecordingMode`` records each aten op as an ``_Op`` on a ``_Tape``);
+2. the reference (``_PackHook`` returns a ``_ScopeTensorRef`` for a scope tensor); 3. the replay
+(``_Replayer.serve``); 4. the resident hooks (``_ResidentHooks.restack``). Then, behind a banner, the
+hardening, each part a ``NOTE [ ... ]`` the code cites, the chain of scoped blocks kept at torch's
+peak among them (``_Chain``, reached only through ``_Replayer.chain``); last, NOTE [ Speed ], the
+per-op shortcuts (a) to (n). Copying this file takes ``ckpt_lab/errors.py``, ``ckpt_lab/rng.py`` and
+``ckpt_lab/_aten.py``, nothing else of ``ckpt_lab``.
 """
 
 from __future__ import annotations
@@ -43,15 +35,15 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckpt_lab._aten import _OP_INFO, OpInfo, op_info, storage_of
-from ckpt_lab.errors import CheckpointError, missing_error
+from ckpt_lab.errors import CheckpointError, missing_error, optional
 from ckpt_lab.rng import (
     GeneratorState,
     ReplayState,
     RNGState,
     capture_every_device,
+    recomputing,
     with_initialised_inside,
 )
-from ckpt_lab.state_guard import recomputing
 
 __all__ = [
     "gradient_checkpoint_scope",
@@ -62,28 +54,23 @@ __all__ = [
     "recomputes_region",
 ]
 
-# torch's private API the scope stands on (ckpt_lab/torch_private.py lists every use), looked up once:
-# None where this torch lacks it, and then the scope refuses to open (NOTE [ Private names ]).
-_pop_saved_tensors_default_hooks = getattr(torch._C._autograd, "_pop_saved_tensors_default_hooks", None)
-_push_saved_tensors_default_hooks = getattr(torch._C._autograd, "_push_saved_tensors_default_hooks", None)
-_saved_tensors_hooks_is_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
-_top_saved_tensors_default_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+# torch's private API (ckpt_lab/torch_private.py lists every use); None where this torch lacks it.
+_pop_saved_tensors_default_hooks = optional("torch._C._autograd._pop_saved_tensors_default_hooks")
+_push_saved_tensors_default_hooks = optional("torch._C._autograd._push_saved_tensors_default_hooks")
+_saved_tensors_hooks_is_enabled = optional("torch._C._autograd._saved_tensors_hooks_is_enabled")
+_top_saved_tensors_default_hooks = optional("torch._C._autograd._top_saved_tensors_default_hooks")
+_current_graph_task_id = optional("torch._C._current_graph_task_id")
 # Only switches grad mode: torch.set_grad_enabled(mode), called as a function, does the same.
-_set_grad_enabled = getattr(torch._C, "_set_grad_enabled", None) or torch.set_grad_enabled
+_set_grad_enabled = optional("torch._C._set_grad_enabled") or torch.set_grad_enabled
 
 
 # ============================================================================================ the entry point
 @contextlib.contextmanager
 def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[None]:
-    """Every tensor created inside is recomputed in backward instead of being stored for it.
-
-    ``torch.utils.checkpoint`` stores what goes in and comes out of its function: with ``x =
-    checkpoint(lambda a, b: a + b, a, b)``, ``x * c`` keeps ``x`` until backward; here ``x`` is
-    recomputed, freed as soon as the user drops it. What counts as created inside: NOTE [ What "born
-    in the scope" means ]; what a replay refuses: NOTE [ What a replay refuses ].
-    ``preserve_rng_state=False`` skips the RNG snapshots: safe only if the scope draws no random
-    numbers, or different ones in the recomputation are acceptable.
+    """Every tensor created inside is recomputed in backward instead of being stored for it (unlike
+    ``torch.utils.checkpoint``, which stores its function's outputs). NOTE [ What "born in the scope"
+    means ], NOTE [ What a replay refuses ]. ``preserve_rng_state=False`` skips the RNG snapshots: safe
+    only if the scope draws no random numbers, or different ones in the recomputation are acceptable.
     """
     if _LACKING:
         raise missing_error(_LACKING[0], "gradient_checkpoint_scope")  # NOTE [ Private names ]
@@ -111,8 +98,7 @@ def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[No
             yield
         failed = False
     except RuntimeError as error:
-        # torch.func's grad, vjp, jacrev and hessian refuse to run while saved-tensor hooks are on the
-        # stack, ours included, with a message that does not say whose hooks they are.
+        # torch.func refuses to run under saved-tensor hooks, ours included, without saying whose.
         if "support saved tensor hooks" in str(error):
             raise CheckpointError(
                 "gradient_checkpoint_scope: torch.func (grad, vjp, jacrev, hessian) can't run inside the "
@@ -126,40 +112,34 @@ def gradient_checkpoint_scope(*, preserve_rng_state: bool = True) -> Iterator[No
 
 # What a notebook (or a debugger) may read from inside the scope, without its private names.
 def is_scope_pack_hook(hook: Any) -> bool:
-    """Whether ``hook``, a pack hook read from the saved-tensors-hooks stack, is one of the scope's
-    entries: an open scope's own, the resident entry, or a wrapper standing in for another hook
-    (see NOTE [ Hooks that outlive the with block ])."""
+    """Whether ``hook`` (from the saved-tensors-hooks stack) is one of the scope's entries: an open
+    scope's own, the resident one, or a wrapper (NOTE [ Hooks that outlive the with block ])."""
     return isinstance(hook, _PackHook)
 
 
 def pack_hook_below(hook: Any) -> Any:
-    """For one of the scope's entries (``is_scope_pack_hook``): the pack hook it hands every tensor
-    it does not recompute to, the hook it stands in for; None if it stores them itself (the resident
-    entry, or a scope opened on an empty stack). Raises ``TypeError`` for any other hook."""
+    """For one of the scope's entries: the pack hook it hands the tensors it does not recompute to;
+    None if it stores them itself. Raises ``TypeError`` for any other hook."""
     if not isinstance(hook, _PackHook):
         raise TypeError(f"pack_hook_below: {hook!r} is not one of gradient_checkpoint_scope's pack hooks")
     return None if hook.below is None else hook.below[0]
 
 
 def inside_scope_hook() -> bool:
-    """Whether one of the scope's hooks runs on this thread now, and with it any replay (a replay
-    runs inside an unpack): the ops seen then are recomputations, not the forward's."""
+    """Whether one of the scope's hooks (and so any replay) runs on this thread now."""
     return _thread.in_hook > 0
 
 
 def recomputes_region(pack_hook: Any) -> bool:
-    """Whether ``pack_hook`` is the pack hook of a checkpoint that re-runs its region in backward and
-    matches saved tensors by position (torch's non-reentrant checkpoint, ``ckpt_lab.checkpoint``, any
-    hook marked ``recomputes_region = True``): a scope opened inside its region does nothing. See
-    NOTE [ A scope inside a checkpoint ]."""
+    """Whether ``pack_hook`` belongs to a checkpoint that re-runs its region in backward (torch's
+    non-reentrant one, ``ckpt_lab.checkpoint``, any hook marked ``recomputes_region = True``): a scope
+    inside its region does nothing. NOTE [ A scope inside a checkpoint ]."""
     return _recomputes_region(pack_hook)
 
 
 def leftovers() -> dict[str, Any]:
-    """What scopes still hold: the storages of the scope tensors registered for the pack hook to
-    recognise (any thread), and this thread's resident hooks (an entry on the stack, a live
-    recording, an open scope). Once every scope tensor is freed, both must be gone;
-    ``ckpt_lab.instruments.state`` checks it."""
+    """What scopes still hold: scope tensors' storages registered (any thread), and this thread's
+    resident hooks. Both gone once every scope tensor is freed (``ckpt_lab.instruments.state``)."""
     hooks = _thread.hooks
     held = hooks is not None and bool(hooks.live_recordings or hooks.resident is not None or hooks.open)
     storages = {(id(entry.recording), entry.storage_slot) for entry in list(_SCOPE_TENSORS.values())}
@@ -167,13 +147,10 @@ def leftovers() -> dict[str, Any]:
 
 
 class _ThreadState(threading.local):
-    # NOTE [ Per-thread state ]
-    # ``in_hook`` > 0 while one of our hooks runs on this thread, and with it any replay (a replay
-    # runs inside an unpack). Ops run then are not the forward's (save_on_cpu's copy in a hook we
-    # hand tensors to, the replay's own ops): they are not recorded, a scope opened then does
-    # nothing, and the hooks stack is not touched (exiting hooks from inside a hook can crash,
-    # pytorch/pytorch#130734). A count, not a flag: our hooks nest (an unpack we hand on to another
-    # hook may unpack through us again).
+    # NOTE [ Per-thread state ] (notebook 04b §1)
+    # ``in_hook`` > 0 while one of our hooks (and so any replay) runs on this thread: its ops are not
+    # recorded, a scope opened then does nothing, the hooks stack is not touched (exiting hooks from
+    # inside a hook can crash, pytorch/pytorch#130734). A count: our hooks nest.
     in_hook = 0
     # The backward (graph task) in which this thread last replayed: NOTE [ The first replay of a backward ].
     replayed_in = -1
@@ -259,8 +236,7 @@ class _Tape:
         entry = self.storages.get(id(storage))
         slot = _Slot(len(self.slots))
         if entry is not None and entry[0]() is storage:
-            # Another tensor object on memory the scope made (.data, a Parameter wrapped around it):
-            # replayed as a view of that memory. See NOTE [ What "born in the scope" means ].
+            # Another object on memory the scope made (.data, a Parameter around it): replayed as a view.
             self.slots.append(_SlotRecord(_Alias(tensor), entry[1], None, None, False, slot))
         else:
             self.slots.append(_SlotRecord(_Borrowed(tensor), slot, None, None, False, slot))
@@ -270,8 +246,8 @@ class _Tape:
     def record(
         self, func: Any, info: OpInfo, args: tuple, kwargs: dict, out: Any, written: list, draw: Any
     ) -> None:
-        """After an op ran: append it, and give every new tensor it returned a slot. ``written``: (slot,
-        version after the op) of each tensor it wrote to in place; ``draw``: see NOTE [ Random ops ]."""
+        """After an op ran: append it, a slot for each new tensor it returned. ``written``: (slot,
+        version after the op) per tensor written in place."""
         grad = _grad_enabled()
         # See NOTE [ Speed ] (c).
         outputs = ((out, info.fresh[0]),) if type(out) is torch.Tensor else _outputs(out, info.fresh)
@@ -313,8 +289,7 @@ class _Tape:
             if storage is None or (known is not None and known[0]() is storage):
                 slots.append(_alias_slot(self, tensor, known if storage is not None else None, args))
                 continue
-            # New memory, what the scope exists for: a scope tensor, unless made with grad mode off.
-            # See NOTE [ What "born in the scope" means ].
+            # New memory: a scope tensor, unless made with grad off (NOTE [ What "born in the scope" means ]).
             slot = _Slot(len(self.slots))
             self.slots.append(_SlotRecord(None, slot, tensor._version, meta, grad, slot))
             self.storages[id(storage)] = (weakref.ref(storage), slot)
@@ -340,9 +315,8 @@ def _alias_slot(tape: _Tape, tensor: torch.Tensor, known: tuple | None, args: tu
     slots = tape.slots
     slot = _Slot(len(slots))
     if known is not None:
-        # An alias the schema does not declare (_unsafe_view, unsafe_split's chunks in GRU and LSTM
-        # cells) of memory the scope made: autograd gives it no base to be recognised by, so it is
-        # registered itself if that memory is; and a version counter of its own.
+        # An alias the schema does not declare (_unsafe_view, unsafe_split's chunks in RNN cells): no
+        # base to be recognised by, so registered itself if its memory is; a version counter of its own.
         storage_slot, version_slot, version = known[1], slot, tensor._version
         made = slots[storage_slot].is_scope_tensor
     else:
@@ -361,18 +335,15 @@ def _alias_slot(tape: _Tape, tensor: torch.Tensor, known: tuple | None, args: tu
 
 
 class _Recording:
-    """One scope's lifetime: its tape and replayer, open or not, and which of its scope tensors are
-    still alive (while any is, our resident hook stays: section 4)."""
+    """One scope's lifetime: its tape and replayer, and which of its scope tensors are alive."""
 
     def __init__(self, hooks: _ResidentHooks, preserve_rng_state: bool) -> None:
         self.hooks = hooks
         self.tape = _Tape(self.register)
-        # Keys of our entries in _SCOPE_TENSORS, the scope tensors alive. A set: add and discard are
-        # atomic, and tensors die on any thread.
+        # Our keys in _SCOPE_TENSORS, of scope tensors alive (a set: atomic add and discard, any thread).
         self.scope_tensors: set[int] = set()
         self.open = True
-        # See NOTE [ Random ops ].
-        self.rng = preserve_rng_state
+        self.rng = preserve_rng_state  # NOTE [ Random ops ]
         # Captured once, before the scope's first op. See NOTE [ RNG and autocast in a replay ].
         state, self.uninitialised = capture_every_device(preserve_rng_state)
         # The replayer shares the tape but holds no reference back to us: we reference it, and a
@@ -380,8 +351,7 @@ class _Recording:
         self.replayer = _Replayer(self.tape.ops, self.tape.slots, self.tape.drawn, state)
 
     def register(self, tensor: torch.Tensor, storage_slot: _Slot, version_slot: _Slot) -> _ScopeTensor:
-        """A scope tensor: registered, so that the pack hook knows it. See NOTE [ What "born in the
-        scope" means ] and NOTE [ Speed ] (f)."""
+        """A scope tensor, registered for the pack hook (NOTE [ Speed ] (f))."""
         entry = _ScopeTensor(tensor, _scope_tensor_died)
         entry.key, entry.recording = id(tensor), self
         entry.storage_slot, entry.version_slot = storage_slot, version_slot
@@ -421,9 +391,8 @@ class _Recording:
 
 
 class _Slot(int):
-    """A slot number of a recording. In a recorded op's arguments it stands for the slot's tensor (an
-    int of its own type, so that it can't be mistaken for an int argument; tested with
-    ``type(x) is _Slot``, see NOTE [ Speed ] (d))."""
+    """A slot number; in a recorded op's arguments it stands for the slot's tensor (its own type: not
+    mistaken for an int argument; NOTE [ Speed ] (d))."""
 
     __slots__ = ()
 
@@ -437,12 +406,7 @@ class _SlotRecord:
     __slots__ = ("is_scope_tensor", "meta", "source", "storage_slot", "version", "version_slot")
 
     def __init__(
-        self,
-        source: Any,
-        storage_slot: _Slot,
-        version: int | None,
-        meta: tuple | None,
-        is_scope_tensor: bool,
+        self, source: Any, storage_slot: _Slot, version: int | None, meta: tuple | None, made: bool,
         version_slot: _Slot,
     ) -> None:
         # None for a tensor an op made, else how a replay gets it: _Borrowed, _Snapshot once the scope
@@ -454,7 +418,7 @@ class _SlotRecord:
         self.version_slot = version_slot
         self.version = version  # a counter of its own made in the scope: its version after the last op
         self.meta = meta  # new memory: its metadata (tells a view of it autograd saves from the tensor)
-        self.is_scope_tensor = is_scope_tensor  # registered: NOTE [ What "born in the scope" means ]
+        self.is_scope_tensor = made  # registered: NOTE [ What "born in the scope" means ]
 
 
 class _Op(NamedTuple):
@@ -480,10 +444,7 @@ class _Nested(tuple):
 
 
 def _outputs(out: Any, fresh: tuple[bool, ...]) -> list[tuple[torch.Tensor, bool]]:
-    """The tensors an op returned, flat and in order, each with its ``fresh`` flag (new memory).
-
-    Flattened by hand: see NOTE [ Speed ] (c).
-    """
+    """The tensors an op returned, flat, each with its ``fresh`` flag (new memory): NOTE [ Speed ] (c)."""
     if isinstance(out, torch.Tensor):
         return [(out, bool(fresh) and fresh[0])]
     if not isinstance(out, (tuple, list)):
@@ -510,21 +471,17 @@ def _meta(tensor: torch.Tensor) -> tuple:
 
 
 def _version_of(tensor: torch.Tensor) -> int | None:
-    """A tensor's version counter; None for an inference tensor, which has none (and can be written
-    in place only under inference_mode: no write to it before backward can be seen, as with .data)."""
+    """A tensor's version counter; None for an inference tensor, which has none (written in place only
+    under inference_mode, unseen before backward, as a write through .data is)."""
     try:
         return tensor._version
     except RuntimeError:
         return None
 
 
-# What the tape holds.
-
-
-# Tensors from outside the scope that a replay reads (inputs, parameters) are kept by reference,
-# until the scope replayed (NOTE [ Inputs are kept, not recomputed ], in the hardening).
 class _Borrowed:
-    """A tensor from outside the scope that the replay reads: kept by reference, checked by version."""
+    """A tensor from outside the scope that the replay reads: kept by reference, checked by version
+    (NOTE [ Inputs are kept, not recomputed ])."""
 
     __slots__ = ("tensor", "version")
 
@@ -545,28 +502,19 @@ class _Borrowed:
 
 
 # =========================================================================================== 2. the reference
-# NOTE [ What "born in the scope" means ]
-# A pack hook is handed a tensor, not told where it came from. A *scope tensor* is a tensor object
-# a recorded op returned as new memory (or an undeclared alias of one: _SlotRecord.is_scope_tensor),
-# or a view autograd made of one (its ``_base`` is one). _SCOPE_TENSORS maps id(tensor) to its
-# _ScopeTensor, a weak reference naming its recording and storage slot; process-wide, so any thread's
-# save is recognised (a tensor's Python object lives exactly as long as the tensor, and the weakref
-# callback removes the entry before its id can be reused).
-# By identity, not by storage: another tensor object on the same memory is stored as autograd would,
-# and does not keep the recording (nor its inputs) alive:
-# * a ``detach()`` (truncated BPTT's hidden state: recomputed from the record, it would have read the
-#   parameters the optimizer updated since, and kept the previous chunk's record alive);
-# * a ``.data``, a Parameter wrapped around memory made in the scope (``nn.Linear`` built in it);
-#   inside the scope it is read as a view of that memory (_Alias), so replays and its writes agree;
-# * a leaf that requires grad made in the scope: the user's state (unregistered when the scope closes);
-# * new memory made with grad off (an optimizer's state, statistics): not an activation, often long
-#   lived; registered, it held a hook for the optimizer's life. Recorded all the same.
-# A recording lives as long as one of its scope tensors. Limits: an alias made without autograd after
-# the scope (``.data``) is stored (memory, never gradients); a write through ``.data`` after the scope
-# is not seen at all (NOTE [ What a replay refuses ]).
+# NOTE [ What "born in the scope" means ] (notebook 04b §4)
+# A *scope tensor* is a tensor object a recorded op returned as new memory with grad on (or an
+# undeclared alias of one), or a view autograd made of one (its ``_base`` is one), known by identity
+# in the process-wide _SCOPE_TENSORS (a weakref callback removes the entry before its id is reused).
+# Another object on that memory is stored as autograd would, keeping no recording alive: a
+# ``detach()`` (truncated BPTT's hidden state, else recomputed from parameters updated since); a
+# ``.data`` or a Parameter around it (inside the scope read as a view of it: _Alias); a leaf that
+# requires grad (the user's state); new memory made with grad off (optimizer state: registered, it
+# held a hook for the optimizer's life). Limits: a write through ``.data`` after the scope goes unseen
+# (NOTE [ What a replay refuses ]).
 class _ScopeTensor(weakref.ref):
-    """A scope tensor, as the registry knows it: a weak reference to it, naming the recording, the
-    slot whose storage it lives in and the slot whose version counter it shares."""
+    """A scope tensor in the registry: a weak reference naming its recording, the slot whose storage
+    it lives in and the slot whose version counter it shares."""
 
     __slots__ = ("key", "recording", "storage_slot", "version_slot")  # See NOTE [ Speed ] (f).
 
@@ -586,9 +534,8 @@ def _scope_tensor_died(entry: _ScopeTensor) -> None:
 
 
 class _PackHook:
-    """Our pack hook, one object per entry of ours on the stack: a scope's own entry while it is
-    open, the resident entry (``below`` is None), or a wrapper standing in for another hook
-    (see NOTE [ Hooks that outlive the with block ])."""
+    """Our pack hook, one per entry of ours on the stack: an open scope's, the resident one (``below``
+    None), or a wrapper standing in for another hook (NOTE [ Hooks that outlive the with block ])."""
 
     __slots__ = ("below",)
 
@@ -597,8 +544,7 @@ class _PackHook:
         self.below = below
 
     def __call__(self, tensor: torch.Tensor) -> Any:
-        # A scope tensor: nothing here runs an op, so this hook need not be marked as running
-        # (see NOTE [ Per-thread state ] and NOTE [ Speed ] (l)).
+        # A scope tensor: no op runs here, so the hook need not be marked running (NOTE [ Speed ] (l)).
         ref = _scope_ref(tensor)
         if ref is not None:
             return ref
@@ -613,11 +559,9 @@ class _PackHook:
 
 
 def _scope_ref(tensor: torch.Tensor, register: bool = True) -> _ScopeTensorRef | None:
-    """What autograd stores for ``tensor`` if it is a scope tensor (else None): a reference to the
-    recording that made it. ``register=False``: one its replays do not count as wanted (see
-    NOTE [ Inputs are kept, not recomputed ])."""
-    # See NOTE [ What "born in the scope" means ].
-    owner = _SCOPE_TENSORS.get(id(tensor))
+    """What autograd stores for ``tensor`` if it is a scope tensor (else None). ``register=False``: not
+    wanted by its replays (NOTE [ Inputs are kept, not recomputed ])."""
+    owner = _SCOPE_TENSORS.get(id(tensor))  # NOTE [ What "born in the scope" means ]
     if owner is None:
         # A view autograd made of a scope tensor (after the scope, say); id(None) is never a key.
         owner = _SCOPE_TENSORS.get(id(tensor._base))
@@ -635,19 +579,17 @@ def _scope_ref(tensor: torch.Tensor, register: bool = True) -> _ScopeTensorRef |
     # The registered tensor itself, on memory of its own, is its slot's tensor (NOTE [ Speed ] (n));
     # a view or an undeclared alias is remade from its geometry, unless it has its base's.
     if made is not tensor or storage_slot != version_slot:
-        shape, stride, offset, dtype, _ = replayer.slots[storage_slot].meta
         geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
-        if geometry == (shape, stride, offset, dtype):
+        if geometry == replayer.slots[storage_slot].meta[:4]:
             geometry = None
     ref = _ScopeTensorRef(replayer, storage_slot, version_slot, version, geometry)
     if register:
-        # Not registered: not wanted by a replay until ``serve`` is asked for it.
         replayer.refs.append(weakref.ref(ref))
     return ref
 
 
 def _unpack(packed: _ScopeTensorRef | _Stored | _Delegated) -> torch.Tensor:
-    """The unpack hook of every entry of ours: each packed value knows how to give its tensor back."""
+    """The unpack hook of every entry of ours."""
     _thread.in_hook += 1
     try:
         if type(packed) is _ScopeTensorRef:  # packed.unpack(), without its frame: NOTE [ Speed ] (l)
@@ -657,21 +599,12 @@ def _unpack(packed: _ScopeTensorRef | _Stored | _Delegated) -> torch.Tensor:
         _thread.in_hook -= 1
 
 
-# What autograd stores, through our pack hook.
 class _ScopeTensorRef:
-    """What autograd stores for a scope tensor: its recording's replayer, the slot whose storage it
-    lives in, the slot whose version counter it shares and its version when saved, and its geometry
-    if it is a view (None: the slot's tensor)."""
+    """What autograd stores for a scope tensor: its replayer, storage slot, version slot and version
+    when saved, and its geometry if it is a view (None: the slot's tensor)."""
 
     __slots__ = (
-        "__weakref__",
-        "consumer",
-        "geometry",
-        "replayer",
-        "round",
-        "storage_slot",
-        "version",
-        "version_slot",
+        "__weakref__", "consumer", "geometry", "replayer", "round", "storage_slot", "version", "version_slot"
     )
 
     def __init__(
@@ -683,8 +616,7 @@ class _ScopeTensorRef:
         self.version = version
         self.geometry = geometry
         self.round = -1  # the last replay that served this reference
-        # Saved after the scope closed, by an op that consumes its tensors (not by the scope's own
-        # ops): see NOTE [ The first replay of a backward ].
+        # Saved after the scope closed, by a consumer: NOTE [ The first replay of a backward ].
         self.consumer = replayer.closed
 
     def unpack(self) -> torch.Tensor:
@@ -692,7 +624,7 @@ class _ScopeTensorRef:
 
 
 class _Stored:
-    """A tensor not created in any scope, stored as autograd itself would store it."""
+    """A tensor not created in any scope, stored as autograd would store it."""
 
     __slots__ = ("tensor", "version")
 
@@ -729,28 +661,20 @@ class _Delegated:
 
 
 # ============================================================================================== 3. the replay
-# NOTE [ One replay per backward ]
-# The first unpack replays the tape once (the forward's RNG state, in a fork) and keeps the tensor
-# of every slot a live _ScopeTensorRef wants, each dropped once every reference that wanted it has
-# it. A second unpack of the same reference (retain_graph) starts a new round: it replays again
-# (except in a chain of scoped blocks: NOTE [ The first replay of a backward ]). A replay runs only
-# the ops a wanted tensor depends on (_plan_replay), each below autograd in the grad mode it ran in,
-# and frees each intermediate after its last reader; a random op it skips does not shift the others'
-# numbers (NOTE [ Random ops ]).
-# NOTE [ Random ops ]. And it frees each intermediate as soon as no later op reads it. Each op runs
-# below autograd, as it was recorded, in the grad mode it ran in (a few kernels ask).
+# NOTE [ One replay per backward ] (notebook 04b §7)
+# The first unpack replays once and keeps the tensor of each slot a live _ScopeTensorRef wants, until
+# every reference that wanted it has it; a second unpack of a reference (retain_graph) replays again
+# (but see NOTE [ The first replay of a backward ]). A replay runs only the ops a wanted tensor
+# depends on (_plan_replay), below autograd in the grad mode each ran in, and frees each
+# intermediate after its last reader.
 #
-# NOTE [ What a replay refuses ]
-# A replay refuses with CheckpointError what would otherwise give silently wrong gradients:
-# (1) an outside tensor modified in place since the scope read it;
-# (2) a scope tensor modified in place after autograd saved it;
+# NOTE [ What a replay refuses ] (notebook 04b §9)
+# With CheckpointError, what would give silently wrong gradients: (1) an outside tensor modified in
+# place since the scope read it; (2) a scope tensor modified in place after autograd saved it;
 # (3) recomputed outputs whose number, shape, strides, storage offset, dtype or device differ.
-# Writes through .data bypass version counters, here as in autograd: (3) catches those that change
-# what a recomputed tensor looks like. A scope tensor a replay could not reproduce is stored (_scope_ref).
-# Not detectable: a scope tensor written through ``.data`` after the scope and before autograd saves
-# it (``w.data.mul_(3)`` then ``y = w * c``: the replay recomputes the old w, c.grad a third of the
-# plain run's). Only the values tell them apart (a checksum would cost a pass over every saved tensor
-# and could not tolerate a nondeterministic kernel).
+# (3) catches writes through .data (no version bump) that change what a tensor looks like. Not
+# detectable: a scope tensor written through ``.data`` after the scope and before autograd saves it
+# (the replay recomputes the old values; a checksum would cost a pass over every saved tensor).
 class _Plan(NamedTuple):
     """What one replay runs, for one set of wanted storage slots: see NOTE [ One replay per backward ]."""
 
@@ -773,14 +697,10 @@ def _slot_args(args: Any) -> list[_Slot]:
 
 
 def _plan_replay(
-    ops: list[_Op],
-    slots: list[_SlotRecord],
-    wanted: dict[int, int],
-    key: tuple,
-    held: frozenset = frozenset(),
+    ops: list[_Op], slots: list[_SlotRecord], wanted: dict, key: tuple, held: frozenset = frozenset()
 ) -> _Plan:
-    """What a replay for ``wanted`` (storage slots) runs: see NOTE [ One replay per backward ].
-    ``held``: slots whose tensors the replay already has (NOTE [ The first replay of a backward ])."""
+    """What a replay for ``wanted`` (storage slots) runs. ``held``: slots whose tensors the replay has
+    already (NOTE [ The first replay of a backward ])."""
     # Backwards from the end: an op runs if a later one (or a reference) needs a tensor it returns,
     # or if it writes into memory that is needed (a storage slot: its own, or a view's).
     needed_slots: set[int] = set()
@@ -830,10 +750,8 @@ def _plan_replay(
 
 
 class _Replayer:
-    """Re-runs one recording's tape for the scope tensors backward unpacks.
-
-    See NOTE [ One replay per backward ]; a lock makes unpacks on several threads take turns.
-    """
+    """Re-runs one recording's tape for the scope tensors backward unpacks (NOTE [ One replay per
+    backward ]); a lock makes unpacks on several threads take turns."""
 
     def __init__(self, ops: list[_Op], slots: list[_SlotRecord], drawn: dict, state: ReplayState) -> None:
         # The recording's own lists: ops recorded later (an unpack inside the scope) are seen too.
@@ -878,8 +796,7 @@ class _Replayer:
         return value if ref.geometry is None else _restrided(value, ref.geometry)
 
     def _plan(self, wanted: dict[int, int], held: frozenset = frozenset()) -> _Plan:
-        """What a replay for ``wanted`` runs (``_plan_replay``); computed again only if ops were
-        recorded since (the scope is open) or other tensors are wanted."""
+        """``_plan_replay``'s plan, computed again only if ops were recorded since or others are wanted."""
         key = (len(self.ops), frozenset(wanted), held)
         if self.cached_plan is None or self.cached_plan.key != key:
             self.cached_plan = _plan_replay(self.ops, self.slots, wanted, key, held)
@@ -888,8 +805,7 @@ class _Replayer:
     def _replay(self, trigger: _ScopeTensorRef) -> None:
         refs = [r for r in (ref() for ref in self.refs) if r is not None]
         self.refs = [weakref.ref(r) for r in refs]
-        # Which of them this replay serves, what it has already (``held``), whether it lets go of an
-        # earlier scope's tensors it reads: all of them, nothing, yes, but in a chain of scoped blocks.
+        # Which it serves, what it has already, whether it lets go: all, none, yes, but in a chain of blocks.
         refs, held, let_go = self.chain.select(self, refs, trigger)
         wanted: dict[int, int] = {}  # storage slot -> how many references want it (not a Counter: speed)
         for r in refs:
@@ -898,15 +814,12 @@ class _Replayer:
         values: list[Any] = [None] * len(self.slots)
         for slot in held:
             values[slot] = self.values[slot]
-        # Below autograd, as the ops were recorded: a replay builds no graph (backward wires the
-        # unpacked tensors to the original one), and each op runs in the grad mode it ran in, which
-        # a few kernels ask (CPU LSTM's mkldnn_rnn_layer returns its workspace only with grad on).
-        # The forward's RNG in a fork, autocast off: see NOTE [ RNG and autocast in a replay ]; each
-        # generator a random op drew from, forked too: see NOTE [ Random ops ].
+        # Below autograd: a replay builds no graph (backward wires the unpacked tensors to the
+        # original one); each op in the grad mode it ran in (CPU LSTM's mkldnn_rnn_layer returns its
+        # workspace only with grad on). RNG and autocast: NOTE [ RNG and autocast in a replay ].
         grad = caller_grad = torch.is_grad_enabled()
         rng = self.state.rng
-        # The caller's generators: those the scope's random ops drew from, and those of the entry
-        # state (NOTE [ Speed ] (i): put back by hand, not by a context manager per generator).
+        # The caller's generators, put back by hand afterwards (NOTE [ Speed ] (i)).
         callers = [draw.now() for draw in self.drawn.values()]
         if rng is not None:
             callers.append(RNGState.capture(d for d, _ in rng.devices))
@@ -930,8 +843,7 @@ class _Replayer:
 
 def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, let_go: bool) -> None:
     """Run ``plan``'s ops on the replayed ``values`` (by slot), checking what each returns. ``let_go``:
-    an earlier scope's tensor read as an input is let go afterwards (NOTE [ Inputs are kept, not
-    recomputed ]); not after a replay that served only the consumers, which the rest follows."""
+    an earlier scope's tensor read as an input is let go (NOTE [ Inputs are kept, not recomputed ])."""
     ops, slots, alias_at = replayer.ops, replayer.slots, plan.alias_at
     # Inputs first: if one was modified in place since, fail before running anything.
     for slot in plan.inputs:
@@ -941,8 +853,7 @@ def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, l
             replayer.chain.let_go(replayer, slot)  # if an earlier scope's tensor: it recomputes it
     for n, i in enumerate(plan.run):
         op = ops[i]
-        # The fields at once, not one attribute at a time (NOTE [ Speed ] (m)).
-        _, args, kwargs, outputs, metas, _, draw, op_grad, call, _ = op
+        _, args, kwargs, outputs, metas, _, draw, op_grad, call, _ = op  # at once: NOTE [ Speed ] (m)
         if op_grad is not grad:
             grad = op_grad
             _set_grad_enabled(grad)
@@ -950,13 +861,12 @@ def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, l
             # A tensor sharing the scope's memory: a view of the recomputed memory.
             for slot in alias_at[n]:
                 values[slot] = _restrided(values[slots[slot].storage_slot], slots[slot].source.geometry)
-        # See NOTE [ Speed ] (d): _resolve, inlined for the positional arguments.
+        # _resolve, inlined for the positional arguments: NOTE [ Speed ] (d).
         args = [
             values[a] if type(a) is _Slot else a.resolve(values) if type(a) is _Nested else a for a in args
         ]
         if draw is not None:
-            # Its generator as the forward's op found it. See NOTE [ Random ops ].
-            draw.restore()
+            draw.restore()  # its generator as the forward's op found it: NOTE [ Random ops ]
         # op.func(...), without its Python frame: NOTE [ Speed ] (k).
         out = call(*args, **{k: _resolve(v, values) for k, v in kwargs.items()}) if kwargs else call(*args)
         if type(out) is torch.Tensor and len(outputs) == 1:
@@ -982,11 +892,7 @@ def _run_plan(replayer: _Replayer, plan: _Plan, values: list[Any], grad: bool, l
 
 def _check_replayed(op: _Op, tensor: torch.Tensor, meta: tuple) -> None:
     """Limitation (3) of NOTE [ What a replay refuses ]: the replayed tensor looks like the forward's."""
-    try:  # _meta, inlined: NOTE [ Speed ] (c)
-        same = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device) == meta
-    except (RuntimeError, NotImplementedError):
-        same = _meta(tensor) == meta
-    if not same:
+    if _meta(tensor) != meta:
         raise _replay_mismatch(op, _describe(_meta(tensor)), _describe(meta))
 
 
@@ -1017,57 +923,48 @@ def _replay_mismatch(op: _Op, got: str, recorded: str) -> CheckpointError:
     )
 
 
-# NOTE [ Random ops ]
-# A replay must draw the forward's numbers. The state at the scope's entry is not enough: code in
-# the scope may reseed between two random ops (manual_seed, set_rng_state, fork_rng), unseen by the
-# tape. So each op that draws (OpInfo.random: aten's ``nondeterministic_seeded`` tag, and any custom
-# op) records its generator's state just before it draws (``ckpt_lab.rng.GeneratorState``: its
-# ``generator`` argument, else its device's default one), and the replay sets it right before
-# re-running it; each generator is put back afterwards (``forked``). Cost: a get_state per random op
-# (the CPU's Mersenne Twister state is 5 KB), a set_state per one replayed. Limit: a custom op drawing
-# from another generator draws from wherever the replay left it.
+# NOTE [ Random ops ] (notebook 04b §10)
+# The state at the scope's entry is not enough: code in the scope may reseed between two random ops.
+# So each op that draws (OpInfo.random: aten's ``nondeterministic_seeded`` tag, any custom op)
+# records its generator's state just before (``GeneratorState``: its ``generator`` argument, else its
+# device's default), the replay sets it right before re-running it and puts each generator back
+# afterwards. A random op the replay skips shifts no other's numbers. Limit: a custom op drawing from
+# another generator draws from wherever the replay left it.
 _NOTHING = contextlib.nullcontext()
 
 
-# NOTE [ RNG and autocast in a replay ]
-# Autocast is off during a replay: below autograd the recorded ops are already cast. The default
-# CPU generator and every initialised accelerator's are captured when the scope opens
-# (``capture_every_device``) and the replay draws in a fork; an accelerator first initialised inside
-# the scope replays from its freshly seeded state (``with_initialised_inside``). Each random op then
-# sets its own generator's state (NOTE [ Random ops ]).
+# NOTE [ RNG and autocast in a replay ] (notebook 04b §10)
+# Autocast is off (below autograd the recorded ops are cast already). The default CPU generator and
+# every initialised accelerator's are captured at the scope's entry and the replay draws in a fork;
+# an accelerator first initialised inside replays from its fresh seed (``with_initialised_inside``).
 def _autocast_off(state: ReplayState) -> Any:
-    """``state.autocast.restored()`` (autocast off), without entering autocast contexts when autocast
-    is off already (NOTE [ Speed ] (i)). The RNG part of ``state.replay()`` is in _Replayer._replay."""
+    """``state.autocast.restored()``, without autocast contexts when autocast is off (NOTE [ Speed ] (i))."""
     if any(torch.is_autocast_enabled(device_type) for device_type, _, _ in state.autocast.settings):
         return state.autocast.restored()
     return _NOTHING
 
 
 # ====================================================================================== 4. the resident hooks
-# NOTE [ Hooks that outlive the with block ]
-# Our pack hook must outlive the with block (``y = x * c`` saves x after it), but the saved-tensors
-# hooks stack is thread-local and LIFO, and each ``saved_tensors_hooks.__exit__`` pops the top entry,
-# whoever pushed it. So a scope that closes with its tensors alive rebuilds the stack (restack): one
-# *resident* entry of ours at the bottom, every entry above it wrapped (a _PackHook whose ``below`` is
-# the original pair: scope tensors to us, the rest to it). Each enclosing context still pops one
-# entry, its own wrapper. When the last scope tensor dies, the stack is put back as if we had never
-# been there (NOTE [ Safe points ]). Nothing is monkey-patched. A saved_tensors_hooks entered after
-# the scope closed is innermost, so scope tensors saved then go to it: the innermost hook wins.
+# NOTE [ Hooks that outlive the with block ] (notebook 04b §11)
+# ``y = x * c`` saves x after the with block, but each ``saved_tensors_hooks.__exit__`` pops the top
+# of the thread's stack, whoever pushed it. So a scope that closes with its tensors alive rebuilds
+# the stack (restack): a *resident* entry of ours at the bottom, every entry above it wrapped (a
+# _PackHook whose ``below`` is the original pair), so each enclosing context pops its own wrapper.
+# When the last scope tensor dies, the stack is put back as it was. A hook entered after the scope
+# closed is innermost, and gets the scope tensors saved then.
 #
-# NOTE [ Safe points ]
-# The resident entry is taken out only at a safe point: on its own thread, outside our hooks (NOTE
-# [ Per-thread state ]), outside backward (the engine restores the stack after every node, undoing
-# any change). So it goes as soon as the last scope tensor is freed; a death inside backward retries
-# right after it (_AfterBackward); one on another thread waits for the owner's next safe point (a
-# scope tensor freed, a scope opened or closed there), the entry meanwhile storing what it is given.
+# NOTE [ Safe points ] (notebook 04b §11)
+# The resident entry is taken out only on its own thread, outside our hooks, outside backward (the
+# engine restores the stack after every node). A death inside backward retries right after it
+# (_AfterBackward); one on another thread waits for the owner's next scope tensor freed, scope opened
+# or closed, the entry meanwhile storing what it is given.
 def _top() -> tuple[Any, Any] | None:
     # True: the real top, even while a compiler traces (with False it would read as empty then).
     return _top_saved_tensors_default_hooks(True)
 
 
 class _ResidentHooks:
-    """One per thread: the scope open on it, its recordings whose tensors may still be saved, and
-    our resident entry on its hooks stack."""
+    """One per thread: its open scope, its recordings whose tensors may still be saved, our resident entry."""
 
     def __init__(self) -> None:
         self.owner = threading.get_ident()
@@ -1110,20 +1007,19 @@ class _ResidentHooks:
         self.release_if_idle()
 
     def release_if_idle(self) -> None:
-        """Remove the resident entry if no recording needs it, at a safe point (see NOTE [ Safe points ])."""
+        """Remove the resident entry if no recording needs it, at a safe point (NOTE [ Safe points ])."""
         if self.live_recordings or self.resident is None or self.busy:
             return
         task = torch._C._current_graph_task_id()
         if task != -1:
-            # Not a safe point: inside backward (typically: the last reference to a later scope
-            # died, and with it the earlier scope tensor it kept). Try again once it is over.
+            # Inside backward: try again once it is over.
             if task != self.retry_after:
                 self.retry_after = task
                 try:
                     torch.autograd.Variable._execution_engine.queue_callback(_AfterBackward(self))
                 except (RuntimeError, AttributeError):
-                    # No callbacks here (an unusual engine, or a torch without queue_callback): the
-                    # next safe point will do it (one stack entry kept a while; gradients unaffected).
+                    # No callbacks here (an unusual engine, or none in this torch): the next safe
+                    # point will do it (one stack entry kept a while; gradients unaffected).
                     pass
             return
         # Not a safe point: another thread, inside a hook, or hooks disabled (we could not pop).
@@ -1132,9 +1028,9 @@ class _ResidentHooks:
         self.restack()
 
     def restack(self, drop: _PackHook | None = None) -> None:
-        """Make this thread's stack right, without ``drop`` (a closing scope's entry). See NOTE [ Hooks
-        that outlive the with block ]. With live recordings: our resident entry at the bottom, every
-        other entry ours or wrapped; without: no resident entry, every wrapper unwrapped."""
+        """Make this thread's stack right, without ``drop`` (a closing scope's entry): with live
+        recordings, our resident entry at the bottom and every other entry ours or wrapped; without,
+        no resident entry and every wrapper unwrapped."""
         self.busy = True  # a scope tensor dying meanwhile must not start another rebuild
         try:
             self.resident = self._restacked(bool(self.live_recordings), drop)
@@ -1181,12 +1077,9 @@ class _ResidentHooks:
 
 
 class _AfterBackward:
-    """A final callback for the autograd engine that does nothing when called: its use is its death.
-
-    It is called at the end of backward, but still under the engine's thread-local state guard, so
-    a change to the hooks stack would be undone. The engine drops it with the graph task, after
-    backward has returned, normally on the thread that called backward: a safe point there.
-    """
+    """A final callback for the autograd engine that does nothing when called (still under the
+    engine's guard, which would undo a change to the stack): its use is its death, with the graph
+    task, after backward returned, normally on the thread that called it: a safe point there."""
 
     __slots__ = ("hooks",)
 
@@ -1206,10 +1099,8 @@ class _AfterBackward:
 # Hardening: what real code needs besides the mechanism above. Each part is a NOTE the code cites.
 # ======================================================================================================
 # NOTE [ Private names ]
-# The scope stands on torch's private API (ckpt_lab/torch_private.py lists each use). What it can't
-# do without is looked up once, at import; on a torch lacking one the scope refuses to open, naming
-# it, rather than failing inside backward. Where a public call does the same, it stands in
-# (torch.set_grad_enabled for _set_grad_enabled).
+# The private names the scope can't do without (ckpt_lab/torch_private.py lists each use), looked up
+# at import: on a torch lacking one the scope refuses to open, naming it, rather than fail in backward.
 _LACKING = [
     path
     for path, found in (
@@ -1218,34 +1109,26 @@ _LACKING = [
         ("torch._C._autograd._saved_tensors_hooks_is_enabled", _saved_tensors_hooks_is_enabled),
         ("torch._C._autograd._top_saved_tensors_default_hooks", _top_saved_tensors_default_hooks),
         ("torch._C._current_graph_task_id", _current_graph_task_id),
-        ("torch._C._AutoDispatchBelowAutograd", getattr(torch._C, "_AutoDispatchBelowAutograd", None)),
+        ("torch._C._AutoDispatchBelowAutograd", optional("torch._C._AutoDispatchBelowAutograd")),
     )
     if found is None
 ]
 
 
-# NOTE [ What the tape leaves out ]
-# The tape is the forward's ops, only those. Run through the mode but not recorded:
-# * ops run by our hooks or a replay (NOTE [ Per-thread state ]);
-# * a backward's ops (``loss.backward()`` in the with block: the engine runs them under the thread's
-#   modes). Recorded, the gradients became scope tensors and the tape kept the parameters: a cycle
-#   through a global that nothing freed, a resident hook for the model's life. What a backward saves
-#   (create_graph) is stored;
-# * ops under inference_mode that write nothing in place: their inference tensors can't be saved; a
-#   later op reads them as inputs. Those that write in place are recorded: a replay must see the write.
-# NOTE [ A scope inside a checkpoint ]
-# Some checkpoints re-run their region in backward and match what the re-run saves to what the
-# forward saved *by position* (torch's non-reentrant checkpoint, ckpt_lab's, any built like them). A
-# scope in such a region would make the forward save other tensors than the re-run (inside backward a
-# scope does nothing): wrong tensors handed out, silently wrong gradients. So there a scope does
-# nothing; the checkpoint recomputes everything anyway. Such a checkpoint is known by its pack hook,
-# not by its module's name (a copy would be missed):
-# * torch's, by the code objects of its two pack hooks (in ``_checkpoint_hook.__init__`` and
-#   ``_recomputation_hook.__init__``), read once here (the tests check both are found); torch 2.14
-#   also marks both ``_checkpoint_internal = True``, a second way should the code objects move;
-# * any other, by a protocol: ``recomputes_region = True`` on its pack hooks (ckpt_lab's checkpoint).
-# On a torch where neither way finds torch's hooks, a scope refuses to open under a pack hook it does
-# not know (a clear error, where opening could give wrong gradients).
+# NOTE [ What the tape leaves out ] (notebook 04b §3)
+# Run through the mode but not recorded: ops run by our hooks or a replay; a backward's ops
+# (recorded, its gradients became scope tensors and the tape kept the parameters: a cycle nothing
+# freed); ops under inference_mode that write nothing in place (their tensors can't be saved: later
+# ops read them as inputs). Those that write in place are recorded: a replay must see the write.
+#
+# NOTE [ A scope inside a checkpoint ] (notebook 04b §2)
+# A checkpoint that re-runs its region in backward matches the re-run's saved tensors to the
+# forward's by position; a scope there (acting in the forward, not in backward) would shift them:
+# silently wrong gradients. So there a scope does nothing. Such a checkpoint is known by its pack
+# hook: torch's by the code objects of its two pack hooks (in ``_checkpoint_hook.__init__`` and
+# ``_recomputation_hook.__init__``) or, from torch 2.14, their ``_checkpoint_internal = True``; any
+# other by ``recomputes_region = True`` (ckpt_lab's checkpoint). Where neither finds torch's hooks,
+# a scope refuses to open under a pack hook it does not know.
 def _pack_hook_codes(*hook_classes: str) -> frozenset[types.CodeType]:
     """The code objects of the ``pack_hook`` functions defined in these classes' ``__init__``."""
     codes = set()
@@ -1319,38 +1202,28 @@ def _inside_a_checkpoint() -> bool:
 
 
 # NOTE [ A chain of scoped blocks ]
-# Two NOTEs, and the machinery they explain, keep a chain of scoped blocks (a scope that read an
-# earlier scope's tensor) at torch's peak. The replay reaches it through one seam, _Replayer.chain.
+# A chain of scoped blocks (a scope that read an earlier scope's tensor) is kept at torch's peak by
+# the two NOTEs below; the replay reaches their machinery through one seam, _Replayer.chain.
 #
-# NOTE [ The first replay of a backward ]
-# Replaying everything at the first unpack costs memory where backward starts. In a chain of scoped
-# blocks (_Chain.chained), the first unpack of a backward comes from the last block's consumer (the
-# loss, a head), saving what the block returned; the block's other saved tensors are wanted only
-# later, by its own backward. Made at once, they stood beside the consumer's backward temporaries, at
-# the step's peak: one tensor of the last block above torch's checkpoint, which recomputes a block
-# inside its own backward (notebook 04 §5). So that first replay serves only the references saved
-# after the scope closed (``consumer``); the block's own get a second replay when its backward first
-# unpacks one (_Chain.split). The first replay keeps the earlier scope's tensor it read, unless it can
-# keep in its stead, within its bytes, some of the block's own tensors from which the second replay
-# needs no earlier scope's tensor (_kept_for_the_second_replay: on the MLP, the Linear's output).
-# Cost: at most the last block once more per backward. The peak is then torch's or below on every
-# benchmark workload. Rejected: doing so for every block (twice the recomputation, no lower peak), or
-# for a scope on its own (the second replay may be its whole tape again).
+# NOTE [ The first replay of a backward ] (notebook 04b §8)
+# In a chain, the first unpack of a backward comes from the last block's consumer (the loss, a head).
+# Replaying the whole block then put its other saved tensors, wanted only by its own backward, beside
+# the consumer's backward temporaries: one tensor above torch's checkpoint at the peak (notebook 04
+# §5). So that first replay serves only the references saved after the scope closed (``consumer``);
+# the rest get a second replay at the block's own backward (_Chain.split). It keeps the earlier
+# scope's tensor it read, unless some of the block's own tensors, within its bytes, spare the second
+# replay that tensor (_kept_for_the_second_replay). Cost: at most the last block once more per
+# backward. Rejected: for every block (twice the recomputation, no lower peak), or a lone scope.
 #
-# NOTE [ Inputs are kept, not recomputed ]
-# Tensors from outside the scope that a replay reads (inputs, parameters) are kept by strong
-# reference until every reference autograd holds and every scope tensor is gone, earlier scopes'
-# tensors included: referenced instead, a later replay would start with the earlier scope's, holding
-# all of its recomputed tensors, and so on down a chain: the peak of no checkpointing. Kept, they are
-# the layer boundaries a checkpoint stores too. Once the later scope has replayed (closed), such an
-# input is needed only by a second backward, so it is let go (_Recomputed; RETURNN's scope drops it
-# too): kept, it was one block boundary more at the peak. For a second backward the earlier scope's
-# next replay offers its copy back (_Recomputed.offer), kept if a reference of the later scope is
-# still alive; otherwise the later replay asks the earlier scope for it.
+# NOTE [ Inputs are kept, not recomputed ] (notebook 04b §5)
+# Outside tensors a replay reads are kept by strong reference, as a checkpoint keeps its input, an
+# earlier scope's tensor included: recomputed instead, each scope of a chain would hold the earlier
+# one's whole replay (the peak of no checkpointing). Once the later scope has replayed, such a tensor
+# is let go (_Recomputed, as RETURNN's scope does); for a second backward the earlier scope's next
+# replay offers its copy back (_Recomputed.offer), or the later replay asks the earlier scope for it.
 class _Chain:
-    """A scope's part in a chain of scoped blocks, the replay's one seam to the machinery that keeps
-    its peak at torch's: NOTE [ The first replay of a backward ], NOTE [ Inputs are kept, not
-    recomputed ]. For a scope on its own every method leaves the replay as it was."""
+    """A scope's part in a chain of scoped blocks, the replay's one seam to the machinery above. For
+    a scope on its own every method leaves the replay as it was."""
 
     __slots__ = ("chained", "offers", "split")
 
@@ -1369,8 +1242,7 @@ class _Chain:
     def select(
         self, replayer: _Replayer, refs: list[_ScopeTensorRef], trigger: _ScopeTensorRef
     ) -> tuple[list[_ScopeTensorRef], frozenset, bool]:
-        """The references a replay serves, the slots it has already, whether it lets go of the
-        earlier scopes' tensors it reads (``_run_plan``)."""
+        """The references a replay serves, the slots it has already, and ``_run_plan``'s ``let_go``."""
         let_go, held, task = True, frozenset(), _graph_task_id()
         if task != -1 and _thread.replayed_in != task:
             # The first replay of this backward: see NOTE [ The first replay of a backward ].
@@ -1390,8 +1262,7 @@ class _Chain:
         return refs, held, let_go
 
     def let_go(self, replayer: _Replayer, slot: int) -> None:
-        """After a replay read input ``slot``: if it is an earlier scope's tensor, from now on that
-        scope recomputes it (NOTE [ Inputs are kept, not recomputed ])."""
+        """After a replay read input ``slot``: an earlier scope's tensor is from now on recomputed there."""
         record = replayer.slots[slot]
         ref = _scope_ref(record.source.tensor, register=False)
         if ref is not None:
@@ -1403,10 +1274,9 @@ class _Chain:
 
 
 def _kept_for_the_second_replay(replayer: _Replayer, refs: list[_ScopeTensorRef]) -> tuple[set[int], bool]:
-    """For a first replay that serves the consumers (NOTE [ The first replay of a backward ]): which
-    of the block's own tensors it keeps too, and whether it lets go of the earlier scopes' tensors
-    it reads. It keeps some if then the second replay needs none of those tensors, and they weigh no
-    more than those tensors do (the peak stays where it was); else none, and lets go of nothing."""
+    """For a first replay that serves the consumers: the block's own tensors it keeps too, and whether
+    it lets go of the earlier scopes' tensors it reads. Some, and yes, if then the second replay needs
+    none of those tensors and they weigh no more than those do; else none, and no."""
     ops, slots = replayer.ops, replayer.slots
     consumers = Counter(r.storage_slot for r in refs if r.consumer)
     own = Counter(r.storage_slot for r in refs if not r.consumer and r.storage_slot not in consumers)
@@ -1430,8 +1300,7 @@ def _kept_for_the_second_replay(replayer: _Replayer, refs: list[_ScopeTensorRef]
 
 
 class _Recomputed:
-    """An earlier scope's tensor that a replay read as an input (a _Borrowed until then), let go
-    after that replay: see NOTE [ Inputs are kept, not recomputed ]."""
+    """An earlier scope's tensor a replay read as an input (a _Borrowed until then), let go after it."""
 
     __slots__ = ("__weakref__", "kept", "reader", "ref", "wanted")
 
@@ -1445,9 +1314,8 @@ class _Recomputed:
             ref.replayer.chain.offers.append(weakref.ref(self))
 
     def offer(self, values: dict[int, torch.Tensor]) -> bool:
-        """The earlier scope replayed, with ``values`` by storage slot: keep ours if the reading scope may
-        replay again (a reference of its is alive after this backward served it: retain_graph).
-        Returns whether the offer is still open."""
+        """The earlier scope replayed ``values`` (by storage slot): keep ours if the reading scope may
+        replay again (a reference of its alive: retain_graph). Returns whether the offer stays open."""
         reader = self.reader()
         if reader is None or self.kept is not None:
             return False
@@ -1483,59 +1351,42 @@ class _Alias:
         self.geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
 
 
-# NOTE [ Outside tensors written in place ]
+# NOTE [ Outside tensors written in place ] (notebook 04b §6)
 # An outside tensor written in place in the scope (BatchNorm's running statistics) must be updated
 # once, by the forward: it is copied just before the first write (_Snapshot) and each replay writes
-# into a copy of that copy (views of it made earlier replay as views of the copy). A tensor on memory
-# the scope made (.data, a Parameter initialised in place) is no outside tensor (_Alias). Refused: an
-# outside tensor changed, by an op the scope did not see, between the scope reading and writing it.
+# into a copy of that copy. Memory the scope made (.data, a Parameter initialised in place) is no
+# outside tensor (_Alias). Refused: an outside tensor changed unseen between the scope's read and write.
 def _before_writes(tape: _Tape, info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[_Slot, int | None]]:
-    """Before an op that writes in place runs: copy the outside tensors it is about to write to.
-
-    Returns (slot, version it will have after the op) for each tensor written.
-    """
+    """Before an op that writes in place runs: (slot, version after the op) of each tensor it writes,
+    the outside ones copied first."""
     written = []
     for tensor, marked in info.written(args, kwargs):
         version = _version_of(tensor)
+        # ``tape.encode``, but an input also names its storage: ``p.data = ...`` swaps it (a LazyLinear's
+        # first forward), and p is then another input. Looked for only before writes (NOTE [ Speed ] (h));
+        # a new storage that got a dead one's id goes unseen (the write then goes to a copy).
+        entry = tape.by_id.get(id(tensor))
+        swapped = entry is not None and len(entry) == 3 and entry[0]() is tensor
+        swapped = swapped and entry[2] != id(storage_of(tensor))
+        slot = tape.add_input(tensor) if swapped else tape.encode(tensor)
+        memory = tape.slots[tape.slots[slot].storage_slot]
+        source = memory.source
+        if type(source) is _Borrowed:
+            if _version_of(source.tensor) != source.version:
+                # Limitation: the copy would hold values the scope's earlier reads did not see.
+                raise CheckpointError(
+                    "gradient_checkpoint_scope: a tensor from outside the scope changed between the "
+                    "scope reading it and writing to it, by an op the scope did not see."
+                )
+            memory.source = _Snapshot(source.tensor)
         # A marked write bumps the version above us (ADInplaceOrView), after the op returns to autograd.
-        written.append((_before_write(tape, tensor), None if version is None else version + marked))
+        written.append((slot, None if version is None else version + marked))
     return written
 
 
-def _before_write(tape: _Tape, tensor: torch.Tensor) -> _Slot:
-    # See NOTE [ Outside tensors written in place ].
-    slot = _encode_written(tape, tensor)
-    memory = tape.slots[tape.slots[slot].storage_slot]
-    source = memory.source
-    if type(source) is _Borrowed:
-        if _version_of(source.tensor) != source.version:
-            # Limitation: the copy would hold values the scope's earlier reads did not see.
-            raise CheckpointError(
-                "gradient_checkpoint_scope: a tensor from outside the scope changed between the "
-                "scope reading it and writing to it, by an op the scope did not see."
-            )
-        memory.source = _Snapshot(source.tensor)
-    return slot
-
-
-def _encode_written(tape: _Tape, tensor: torch.Tensor) -> _Slot:
-    """``tape.encode`` for a tensor an op is about to write to. An input also names its storage here:
-    ``p.data = ...`` swaps it (a LazyLinear's first forward, between reading the placeholder and
-    initialising the new memory in place), and from then on p is another input. Checked before
-    writes only, where it matters for parameters made in the scope (see NOTE [ Speed ] (h))."""
-    entry = tape.by_id.get(id(tensor))
-    # By the storage's id: a new storage that got a dead one's id goes unseen, and the write then
-    # goes to a copy (see NOTE [ Outside tensors written in place ]), right unless an op the
-    # replay runs read the old values.
-    swapped = entry is not None and len(entry) == 3 and entry[0]() is tensor
-    if swapped and entry[2] != id(storage_of(tensor)):
-        return tape.add_input(tensor)
-    return tape.encode(tensor)
-
-
 class _Snapshot:
-    """An input the scope writes to in place, copied just before the first write: each replay writes
-    into a copy of this copy, and the input itself is updated exactly once, by the forward."""
+    """An input the scope writes to in place, copied before the first write; each replay writes into
+    a copy of this copy."""
 
     __slots__ = ("tensor",)
 
@@ -1550,8 +1401,7 @@ _dynamo_skips: list[Any] = []
 
 
 def _skip_dynamo(code: types.CodeType) -> None:
-    """Tell Dynamo to skip ``code``'s frames and every frame they call (what torch._dynamo.disable's
-    wrapper does per call, here marked once on the code object). See NOTE [ Speed ] (j)."""
+    """Tell Dynamo to skip ``code``'s frames and those they call, once (NOTE [ Speed ] (j))."""
     _dynamo_skips.append(code)
     if getattr(_RecordingMode.__torch_dispatch__, "__wrapped__", None) is not None:
         # torch kept its wrapper (_RecordingMode._should_skip_dynamo): ``code`` is then the wrapper's,
@@ -1570,33 +1420,29 @@ def _skip_dynamo(code: types.CodeType) -> None:
 # ======================================================================================================
 # Appendix: NOTE [ Speed ]
 # ======================================================================================================
-# NOTE [ Speed ]
-# The recording runs once per aten op of the forward, the replay once per op it re-runs: both spare
-# Python calls where they can. Each shortcut cites its letter:
-# (a) An op's schema facts come from _aten's cache by id(func), without a call on a hit.
+# NOTE [ Speed ] (notebook 04b §12)
+# The recording runs once per forward op, the replay once per op it re-runs: both spare Python calls.
+# (a) An op's schema facts come from _aten's cache by id(func).
 # (b) tuple.__new__(_Op, ...), not _Op(...): a NamedTuple's __new__ is a Python function.
 # (c) _Tape.record writes out the common paths (one tensor returned, a known tensor or a plain value as
-#     argument, an output's metadata, new memory); the rare ones are calls (encode, _alias_slot), and
-#     _outputs flattens by hand, without pytree.
-# (d) type(x) is _Slot, not isinstance(); _resolve and _check_replayed inlined where they run once per
-#     argument or output of every replayed op; no Counter (its update is Python).
+#     argument, an output's metadata, new memory); _outputs flattens by hand, without pytree.
+# (d) type(x) is _Slot, not isinstance(); _resolve and _check_replayed inlined once per argument or
+#     output of every replayed op; no Counter (its update is Python).
 # (e) One shared empty dict (_NO_KWARGS) for ops called without keyword arguments.
-# (f) __slots__ on the per-tensor objects; _ScopeTensor is a weakref subclass, the one weak reference
-#     a scope tensor costs (the tape's by_id and the registry share it).
+# (f) __slots__ on the per-tensor objects; _ScopeTensor, a weakref subclass, is the one weak reference
+#     a scope tensor costs (by_id and the registry share it).
 # (g) What every op is asked are C calls (graph task, inference mode) or attributes of its OpInfo.
-# (h) A known tensor costs one dict lookup and a weakref call; a swapped storage (``p.data = ...``) is
-#     looked for only before an in-place write.
+# (h) A known tensor costs a dict lookup and a weakref call; a swapped storage is looked for only
+#     before an in-place write.
 # (i) Per scope: no autocast context when autocast is off; the caller's generators put back by hand; a
 #     leaf saved in the scope stored without a detach op; the autocast-off state made once per device.
-# (j) torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable, a Python wrapper that swaps the
+# (j) torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable, whose wrapper swaps the
 #     frame-evaluation callback four times per call (a tenth of the scope's time on a pointwise chain);
-#     instead its code object is marked once for Dynamo to skip (_skip_dynamo): the same, paid in C.
-# (k) The recording and the replay call an op's C++ entry point (OpInfo.call, _Op.call), not its
-#     Python __call__.
-# (l) The pack hook marks itself as running only where it may run ops, not for a scope tensor; the
-#     unpack hook serves a reference without its unpack method; a scope tensor's death callback does
-#     the recording's bookkeeping itself.
+#     instead its code object is marked once for Dynamo to skip (_skip_dynamo), in C.
+# (k) The recording and the replay call an op's C++ entry point (OpInfo.call, _Op.call).
+# (l) The pack hook marks itself as running only where it may run ops; the unpack hook serves a
+#     reference without its unpack method; a scope tensor's death callback does the bookkeeping itself.
 # (m) A replay unpacks each op's fields at once; its plan reads _Op.reads, gathered when recording.
 # (n) The pack hook compares geometries only for a view or an undeclared alias.
-# On the benchmark's chain of 64 dropout blocks (paired rounds, one thread): (k)-(n) took the scope
-# from 1.26x to 1.16x torch's non-reentrant checkpoint; (c) and (d) as they are now, 4% more.
+# On the benchmark's chain of 64 dropout blocks: (k)-(n) took the scope from 1.26x to 1.16x torch's
+# non-reentrant checkpoint; (c) and (d) as they are now, 4% more.

@@ -29,7 +29,6 @@ state (cuDNN's choices, a library's own caches), and Python's or NumPy's random 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import numbers
 import warnings
@@ -40,30 +39,12 @@ import torch
 from torch import nn
 
 from ckpt_lab.errors import CheckpointError
+from ckpt_lab.rng import is_recomputing, recomputing
 
 __all__ = ["STATE_CHECKS", "StateGuard", "is_recomputing", "recomputing"]
 
-_recomputing = contextvars.ContextVar("ckpt_lab_recomputing", default=False)
-
-
-def is_recomputing() -> bool:
-    """Whether the code calling it runs inside one of our checkpoints' re-runs.
-
-    ``False`` in the forward and outside any checkpoint: ``if not ckpt_lab.is_recomputing():
-    self.counts += load`` counts once per step.
-    """
-    return _recomputing.get()
-
-
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    """Entered by every checkpoint of this package around its re-run: ``is_recomputing()`` is ``True``."""
-    token = _recomputing.set(True)
-    try:
-        yield
-    finally:
-        _recomputing.reset(token)
-
+# is_recomputing and recomputing live in rng.py, beside the replay state every re-run installs, so a
+# copied stage carries them; re-exported here with the guard they serve.
 
 STATE_CHECKS = ("none", "warn", "raise", "restore")
 

@@ -26,9 +26,8 @@ missing from.
 How a module looks a name up: one way, ``ckpt_lab.errors.optional("torch._C._name")`` (the object, or
 None where this torch lacks it), at import or at the call as the use needs, then its fallback or
 ``missing_error``. It lives in errors.py, which every stage module imports already, so a copied stage
-carries it. (Not yet in ``ckpt_lab/scope.py``, which spells the same lookup out as ``getattr(...,
-None)``, nor in ``scope_core.py``, whose ``from ... import`` fails at import by design: no fallbacks
-in the core.)
+carries it. (Not in ``scope_core.py``, whose ``from ... import`` fails at import by design: no
+fallbacks in the core.)
 
 ``if_missing`` says what the package does on a torch without it: ``fallback`` (it works on,
 gradients exact, perhaps slower or with less to report), or ``error`` (the feature that needs it
