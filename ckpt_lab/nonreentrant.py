@@ -162,19 +162,12 @@ def checkpoint(
     replay = ReplayState.capture(args, kwargs, preserve_rng_state=preserve_rng_state)
     # Built (and its inputs saved) before our hooks are installed, so they don't swallow the inputs.
     frame = Frame(function, args, kwargs, replay, recompute_context, keywords)
-    if keywords.state_check != "none":
-        # Before the forward: the state it starts from (ckpt_lab.state_guard).
-        frame.state = StateGuard(keywords.state_check, function, args, kwargs, _user_line())
+    _watch_state(frame, keywords, function, args, kwargs)  # state_check (ckpt_lab.state_guard)
     try:
         with _checkpoint_hooks(pack_to_handle(frame), unpack_from_handle(frame)), forward_context:
             out = function(*args, **kwargs)
     finally:
-        # The forward's nodes are known by their names in ``histories`` now: let go of them (the
-        # graph holds our hooks, which hold the frame: nodes kept here would be a cycle through C++
-        # that Python's collector cannot see).
-        if frame.history is not None:
-            frame.forward_nodes = frame.history.numbers()
-        frame.history = None
+        _forward_ended(frame)  # NOTE [ Every op is compared ]
     frame.forward_completed = True
     return out
 
@@ -470,11 +463,7 @@ def recompute(frame: Frame, task: int) -> None:
         # Another op made it, or another op ran before: the re-run took another path. Stop at once,
         # here, where it happened.
         if frame.check:
-            if made_by(tensor) != frame.makers[index]:
-                raise _explained(frame, _other_op(index, frame.makers[index], made_by(tensor), mismatches))
-            ran = history.of(tensor) if history else ()
-            if ran != frame.histories[index]:
-                raise _explained(frame, _other_history(index, frame, ran, mismatches))
+            _check_same_path(frame, index, tensor, history, mismatches)
         if index == stop_at:
             raise _StopRecomputation
         # The recomputed graph keeps its own saved tensors; it dies when the re-run returns.
@@ -528,6 +517,31 @@ def recompute(frame: Frame, task: int) -> None:
 # ============================================================================================
 # Behind the mechanism: torch's keywords, the errors, debug=True, torch 2.14's additions
 # ============================================================================================
+def _watch_state(frame: Frame, keywords: _Keywords, function: Any, args: tuple, kwargs: dict) -> None:
+    """Before the forward: the module state it starts from, when ``state_check`` asks for it."""
+    if keywords.state_check != "none":
+        frame.state = StateGuard(keywords.state_check, function, args, kwargs, _user_line())
+
+
+def _forward_ended(frame: Frame) -> None:
+    """The forward's nodes are known by their names in ``histories`` now: let go of them (the graph
+    holds our hooks, which hold the frame: nodes kept here would be a cycle through C++ that Python's
+    collector cannot see)."""
+    if frame.history is not None:
+        frame.forward_nodes = frame.history.numbers()
+    frame.history = None
+
+
+def _check_same_path(frame: Frame, index: int, tensor: torch.Tensor, history: Any, mismatches: list) -> None:
+    """The re-run's saved tensor ``index`` must come from the op that made the forward's, through the
+    same autograd nodes (NOTE [ Every op is compared ]): raise where it did not, at once."""
+    if made_by(tensor) != frame.makers[index]:
+        raise _explained(frame, _other_op(index, frame.makers[index], made_by(tensor), mismatches))
+    ran = history.of(tensor) if history else ()
+    if ran != frame.histories[index]:
+        raise _explained(frame, _other_history(index, frame, ran, mismatches))
+
+
 # torch's private API this checkpoint can't do without (ckpt_lab/torch_private.py lists each use):
 # on a torch without it, a clear error now, at import, rather than an AttributeError inside backward.
 for _path in ("torch._C._current_graph_task_id", "torch._C._autograd._top_saved_tensors_default_hooks"):
