@@ -460,8 +460,7 @@ def recompute(frame: Frame, task: int) -> None:
                 mismatches.append((index, frame.metas[index], recomputed))
             handles[index].recomputed[task] = value
             stored.append((index, value, value._version))  # compared when the re-run ends
-        # Another op made it, or another op ran before: the re-run took another path. Stop at once,
-        # here, where it happened.
+        # Made by another op, or through other ops: the re-run took another path; stop here, at once.
         if frame.check:
             _check_same_path(frame, index, tensor, history, mismatches)
         if index == stop_at:

@@ -215,7 +215,7 @@ for name, variant in {"draft 2": draft_checkpoint_v2, "ckpt_lab.checkpoint": che
 # frame's two hooks (`context_fn`: notebook 05).
 
 # %%
-show_source(checkpoint, start="replay = ReplayState", stop="frame.forward_completed")
+show_source(checkpoint, start="replay = ReplayState", stop="    finally:")
 
 # %% [markdown]
 # The frame saves the inputs **through autograd**, in `_SaveInputs`, a do-nothing

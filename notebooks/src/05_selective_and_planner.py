@@ -31,16 +31,6 @@
 #    §3.1's prediction; §6);
 # 5. spot and fix BatchNorm's double update (checked: §7's assert).
 #
-# | question | § |
-# |---|---|
-# | Which ops hold the bytes, which the FLOPs? | 1 |
-# | What runs when? Why must in-place, view, random ops run again? | 2 |
-# | Ours and torch's SAC: same bytes and FLOPs? Where does a policy save nothing? | 3 |
-# | What to keep for a byte budget? Greedy or exact? Checkmate, DTR? | 4 |
-# | The memory/recompute frontier? | 5 |
-# | What does CPU offload cost? Does it see SAC's cache? | 6 |
-# | BatchNorm's two batches per step, and the fix? | 7 |
-#
 # Shown on torch 2.13.0; where 2.11, 2.14.1 or 2.15.0 differ, the section says so (the site's "Torch
 # versions" page). All eager: the compiler's budgets, global (`activation_memory_budget`, private
 # `torch._functorch.config`) and per region (`region_activation_memory_budget`, a prototype that
@@ -628,10 +618,8 @@ assert [s[0][0] for s in steps.values()] == [1, 2, 2, 2, 2, 1] and all(s[1][0] =
 show_source(skip_stats_update_in_recompute, start="with _disable_current_modes", stop="def post_hook")
 
 # %% [markdown]
-# (`track_running_stats = False` is no fix: the re-run then saves two tensors fewer, and the
-# non-reentrant checkpoints refuse; `tests/test_batchnorm.py`.) **The scope needs no fix** (one
-# batch without it): it replays recorded ops, writing into copies of tensors from outside the scope
-# (notebook 04b, A.6).
+# (`track_running_stats = False` is no fix: the non-reentrant checkpoints then refuse.) **The scope
+# needs no fix**: it replays recorded ops, writing into copies of outside tensors (notebook 04b, §6).
 #
 # ## Summary
 #
