@@ -1,9 +1,11 @@
 """The remaining hard inputs, each with a clear error (or, where torch accepts it, accepted).
 
-* a freshly scripted TorchScript function under ``ckpt_lab.checkpoint``: TorchScript turns any
-  exception a saved-tensor hook raises into a bare ``RuntimeError`` with an empty message, early
-  stop's included (torch 2.13's checkpoint fails so, asserted as it is); ours runs, and a re-run that
-  differs inside the scripted code raises our ``CheckpointError`` saying what differed;
+* a freshly scripted TorchScript function under ``ckpt_lab.checkpoint``: its executor profiles the
+  first run and runs an optimized graph (one ``CppFunction`` node) from the second, so the forward and
+  the re-run take different autograd paths; TorchScript turns any exception a saved-tensor hook raises
+  into a bare ``RuntimeError`` with an empty message (torch 2.13's checkpoint fails so, asserted as it
+  is); ours raises its ``CheckpointError`` saying what differed, runs a warmed-up scripted function
+  with the plain gradients, and names a re-run that differs inside the scripted code;
 * ``plan_peak`` with a loss that is not a scalar, a region that is not callable, ``loss=None``;
 * ``compile_step``'s budget outside [0, 1] or NaN;
 * ``checkpoint(use_reentrant=False)(fn, x)``: the error names the right form;
@@ -43,19 +45,40 @@ def scripted_cos_exp(x: torch.Tensor) -> torch.Tensor:
     return x.cos().exp()
 
 
+def fresh_scripted_chain() -> torch.jit.ScriptFunction:
+    """A scripted function never run before: torch.jit.script caches by function object, so each call
+    compiles a new one, whatever ran earlier in the process."""
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        return (x.sin() * 2).exp().cos()  # scripted_chain, as a new function object
+
+    return torch.jit.script(chain)
+
+
 def test_torch_213_fails_on_a_fresh_scripted_function_with_an_empty_message() -> None:
     x = torch.randn(4, requires_grad=True)
-    out = torch_checkpoint(torch.jit.script(scripted_chain), x, use_reentrant=False)
+    out = torch_checkpoint(fresh_scripted_chain(), x, use_reentrant=False)
     if torch.__version__.startswith("2.13"):
         with pytest.raises(RuntimeError, match=r"(?s)TorchScript interpreter.*\nRuntimeError: \n$"):
             out.sum().backward()
 
 
-def test_ours_runs_a_fresh_scripted_function_with_the_plain_gradients() -> None:
+def test_ours_names_what_differs_on_a_fresh_scripted_function() -> None:
+    x = torch.randn(4, requires_grad=True)
+    for early_stop in (True, False):
+        out = ckpt_lab.checkpoint(fresh_scripted_chain(), x, early_stop=early_stop)
+        with pytest.raises(CheckpointError, match=r"took another path than the forward.*CppFunction"):
+            out.sum().backward()
+
+
+def test_ours_runs_a_warmed_up_scripted_function_with_the_plain_gradients() -> None:
     x = torch.randn(4, requires_grad=True)
     (right,) = torch.autograd.grad(scripted_chain(x).sum(), x)
     for early_stop in (True, False):
-        out = ckpt_lab.checkpoint(torch.jit.script(scripted_chain), x, early_stop=early_stop)
+        scripted = fresh_scripted_chain()
+        for _ in range(2):  # the profiling run, then the optimized graph's first
+            scripted(x.detach())
+        out = ckpt_lab.checkpoint(scripted, x, early_stop=early_stop)
         (got,) = torch.autograd.grad(out.sum(), x)
         assert torch.allclose(got, right)
 
